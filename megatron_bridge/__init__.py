@@ -1,0 +1,1 @@
+"""HF <-> Megatron weight layouts, checkpoint conversion and in-place rollout resharding."""

@@ -1,0 +1,85 @@
+"""Publish a directory atomically: build it under a temporary name, then rename.
+
+Several ranks may provision the same cache entry at once; only complete directories are ever
+visible under the final name, and a half-written temporary directory is never used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+COMPLETE_MARKER = ".complete"
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+
+
+def build_once(path: str, build: Callable[[str], None], timeout_s: float = 1800.0) -> str:
+    """Return `path`, calling `build(tmp_dir)` first if no complete copy exists.
+
+    Concurrent callers race on `os.rename`; the loser discards its copy. A directory without the
+    completion marker (an interrupted older layout) is replaced, never read.
+    """
+    if is_complete(path):
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    lock = path + ".lock"
+    if _try_lock(lock):
+        try:
+            if not is_complete(path):
+                _build_and_publish(path, parent, build)
+        finally:
+            os.unlink(lock)
+        return path
+    return _wait_for(path, lock, build, timeout_s)
+
+
+def _build_and_publish(path: str, parent: str, build: Callable[[str], None]) -> None:
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        build(tmp)
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            f.write(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+        if os.path.exists(path):
+            shutil.rmtree(path)  # incomplete leftover: never used, replaced
+        os.rename(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _try_lock(lock: str) -> bool:
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        if time.time() - _mtime(lock) > 3600:  # a builder died an hour ago: take over
+            os.unlink(lock)
+            return _try_lock(lock)
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:
+        return time.time()
+
+
+def _wait_for(path: str, lock: str, build, timeout_s: float) -> str:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if is_complete(path):
+            return path
+        if not os.path.exists(lock):
+            return build_once(path, build, timeout_s)
+        time.sleep(0.5)
+    raise TimeoutError(f"waited {timeout_s:.0f}s for {path} to be built (lock {lock}): remove the lock if its builder died")

@@ -1,0 +1,132 @@
+"""Tiny HF checkpoints built locally: random weights, a tokenizer trained here, no download.
+
+Tests and `yaml_configs/tiny_cpu.yaml` (`model.path: tiny`) use these. Llama and Qwen2 variants
+exercise the bridge's layouts: GQA, tied or untied embeddings, QKV bias (Qwen2) and a vocabulary
+that is not a multiple of 128. head_dim is 32 by default because vLLM's CPU attention needs >= 32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from megatron_bridge.atomic import build_once
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as SmolLM2 and Qwen2 use.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOKENIZER_VOCAB = 300  # byte alphabet (256) + 3 specials + a few merges; not a multiple of 128
+
+
+@dataclass
+class TinySpec:
+    arch: str = "llama"  # llama | qwen2
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    tie_word_embeddings: bool = True
+    seed: int = 0
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+
+
+def _corpus() -> list[str]:
+    words = ("What is plus minus times the answer Add Subtract Multiply and give after #### "
+             "Tom has apples He buys more How many does now? Copy digit number final user assistant system")
+    lines = [words]
+    for a in range(0, 60, 3):
+        for b in range(0, 30, 4):
+            lines.append(f"What is {a} plus {b}? {a} + {b} = {a + b}. #### {a + b}")
+    return lines
+
+
+def make_tiny_tokenizer(out_dir: str):
+    """Train a byte-level BPE tokenizer (digits split one by one) and save it as HF files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>",
+        bos_token="<|im_start|>", unk_token=None,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out_dir)
+    return hf_tok
+
+
+def make_tiny_checkpoint(out_dir: str, spec: TinySpec = TinySpec()) -> str:
+    """Write config.json, model.safetensors and tokenizer files of a random tiny model."""
+    import torch
+
+    tokenizer = make_tiny_tokenizer(out_dir)
+    config = _hf_config(spec, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    model_cls = _model_class(spec.arch)
+    torch.manual_seed(spec.seed)
+    model = model_cls(config)
+    _perturb(model, spec.seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta, rms_norm_eps=1e-6, tie_word_embeddings=spec.tie_word_embeddings,
+        eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id - 1, torch_dtype="float32",
+    )
+    if spec.arch == "llama":
+        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    if spec.arch == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **common)
+    raise ValueError(f"tiny model arch {spec.arch!r} is not supported: use llama or qwen2")
+
+
+def _model_class(arch: str):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+
+
+def _perturb(model, seed: int) -> None:
+    """Random norms and biases too, so a mapping that drops or swaps them changes the logits."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("RLSTACK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlstack"))
+
+
+def ensure_tiny_checkpoint(spec: TinySpec = TinySpec(), cache_dir: str | None = None) -> str:
+    """The cached checkpoint for `spec`, built once (safe when several ranks call at once)."""
+    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
+    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec))

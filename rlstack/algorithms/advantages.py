@@ -1,0 +1,205 @@
+"""Advantage estimators: GAE (with a critic) and group baselines (GRPO, Dr.GRPO, RLOO).
+
+Every estimator is registered by name in `ADVANTAGE_ESTIMATORS`; the trainer calls
+`compute_advantages(name, ...)`, which returns what the PPO update should use:
+- gae: advantages whitened over the masked tokens of the batch (as verl does), and raw returns
+  (advantages + values) as the critic's regression target.
+- grpo / drgrpo / rloo: group-relative advantages, broadcast over the response; returns = advantages
+  (there is no critic to train).
+Catalogue modelled on verl's trainer/ppo/core_algos.py; code written for this project.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from rlstack.algorithms.masked import ReduceFn, as_float_mask, masked_whiten
+
+AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        assert name not in ADVANTAGE_ESTIMATORS, f"advantage estimator {name} registered twice"
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return wrap
+
+
+# ----------------------------------------------------------------------------- GAE
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+        ) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the masked tokens of each row.
+
+    Unmasked positions are skipped: their rewards and values are ignored, so the value after the
+    last response token is 0 (the episode ends there) whatever the critic wrote past the mask.
+    Returns raw (not whitened) advantages and returns = advantages + values, both 0 off the mask.
+    For the PPO update use `masked_whiten(advantages, mask)` (what `compute_advantages` does).
+    """
+    _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
+    m = as_float_mask(mask, values)  # [B, T]
+    next_value = torch.zeros_like(values[:, 0])  # [B]
+    last_gae = torch.zeros_like(values[:, 0])  # [B]
+    advantages = torch.zeros_like(values)  # [B, T]
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # [B]
+        gae_t = delta + gamma * lam * last_gae  # [B]
+        advantages[:, t] = gae_t
+        # Off the mask, carry the later step's value and advantage through unchanged.
+        next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
+        last_gae = m[:, t] * gae_t + (1 - m[:, t]) * last_gae
+    returns = (advantages + values) * m  # [B, T]
+    return advantages * m, returns
+
+
+# ----------------------------------------------------------------------------- group baselines
+
+
+def grpo(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True,
+         eps: float = 1e-6) -> Tensor:
+    """(score - group mean) / (group std + eps), broadcast over each response: [B] -> [B, T].
+
+    std is unbiased (as torch.std and verl). norm_by_std=False is Dr.GRPO (score - group mean).
+    """
+    scores = _float_scores(scores, mask)
+    mean, std, _ = group_stats(scores, group_ids)  # [B] each
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return _broadcast(adv, mask)
+
+
+def rloo(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """score minus the mean of the other samples of its group (leave-one-out): [B] -> [B, T]."""
+    scores = _float_scores(scores, mask)
+    mean, _, size = group_stats(scores, group_ids)  # [B] each
+    # s_i - (sum - s_i) / (n - 1) == (s_i - mean) * n / (n - 1)
+    adv = (scores - mean) * size / (size - 1)
+    return _broadcast(adv, mask)
+
+
+def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample (group mean, unbiased group std, group size), each [B]."""
+    if group_ids.shape != scores.shape or group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer tensor of shape {tuple(scores.shape)}: "
+                         "one id per sample, shared by the samples of one prompt")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        raise ValueError("a group holds a single sample, which has no baseline: keep all "
+                         "rollout.n >= 2 samples of a prompt together on one rank")
+    size = counts.to(scores.dtype)  # [G]
+    mean = torch.zeros_like(size).index_add_(0, inverse, scores) / size  # [G]
+    sq_dev = (scores - mean[inverse]) ** 2  # [B]
+    var = torch.zeros_like(size).index_add_(0, inverse, sq_dev) / (size - 1)  # [G]
+    return mean[inverse], var.sqrt()[inverse], size[inverse]
+
+
+def place_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
+    """Sequence scores [B] -> token scores [B, T], the score on each row's last masked token."""
+    if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be "
+                         "[B] and [B, T]")
+    present = mask > 0  # [B, T]
+    if not bool(present.any(-1).all()):
+        raise ValueError("a row of the response mask is empty: every response needs a token")
+    last = mask.shape[1] - 1 - present.flip(-1).int().argmax(-1)  # [B]
+    out = torch.zeros(mask.shape, dtype=_float_dtype(scores), device=scores.device)  # [B, T]
+    out[torch.arange(mask.shape[0], device=mask.device), last] = scores.to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@register_advantage("gae")
+def _gae_estimator(*, token_rewards, values, mask, gamma, lam, reduce_fn, **_):
+    _require("gae", token_rewards=token_rewards, values=values)
+    advantages, returns = gae(token_rewards, values, mask, gamma, lam)
+    return masked_whiten(advantages, mask, reduce_fn=reduce_fn), returns
+
+
+@register_advantage("grpo")
+def _grpo_estimator(*, mask, group_ids, **inputs):
+    adv = grpo(_sequence_scores("grpo", mask=mask, group_ids=group_ids, **inputs), group_ids, mask)
+    return adv, adv
+
+
+@register_advantage("drgrpo")
+def _drgrpo_estimator(*, mask, group_ids, **inputs):
+    scores = _sequence_scores("drgrpo", mask=mask, group_ids=group_ids, **inputs)
+    adv = grpo(scores, group_ids, mask, norm_by_std=False)
+    return adv, adv
+
+
+@register_advantage("rloo")
+def _rloo_estimator(*, mask, group_ids, **inputs):
+    adv = rloo(_sequence_scores("rloo", mask=mask, group_ids=group_ids, **inputs), group_ids, mask)
+    return adv, adv
+
+
+def compute_advantages(name: str, *, mask: Tensor, token_rewards: Optional[Tensor] = None,
+                       values: Optional[Tensor] = None, scores: Optional[Tensor] = None,
+                       group_ids: Optional[Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
+                       reduce_fn: Optional[ReduceFn] = None) -> tuple[Tensor, Tensor]:
+    """(advantages [B, T], returns [B, T]) of the estimator `name`, ready for the PPO update.
+
+    gae reads token_rewards and values (and reduce_fn: a SUM over data-parallel ranks, so the
+    whitening uses global statistics). grpo/drgrpo/rloo read group_ids and one of: scores [B], or
+    token_rewards [B, T] summed over the mask (use that form when the rewards carry a KL
+    penalty). Inputs an estimator does not read are ignored.
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}: choose one of "
+                         f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    return ADVANTAGE_ESTIMATORS[name](token_rewards=token_rewards, values=values, scores=scores,
+                                      group_ids=group_ids, mask=mask, gamma=gamma, lam=lam,
+                                      reduce_fn=reduce_fn)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _sequence_scores(name: str, *, token_rewards, scores, mask, group_ids, **_) -> Tensor:
+    _require(name, group_ids=group_ids)
+    if (scores is None) == (token_rewards is None):
+        raise ValueError(f"{name} advantages need exactly one of scores [B] or token_rewards "
+                         "[B, T]: pass token_rewards when they carry a KL penalty, else scores")
+    if scores is not None:
+        return scores
+    _check_same_shape(token_rewards=token_rewards, mask=mask)
+    return (token_rewards * as_float_mask(mask, token_rewards)).sum(-1)  # [B]
+
+
+def _float_scores(scores: Tensor, mask: Tensor) -> Tensor:
+    if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be "
+                         "[B] and [B, T] with the same B")
+    return scores.to(_float_dtype(scores))
+
+
+def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
+    return adv[:, None] * mask.to(device=adv.device, dtype=adv.dtype)  # [B] -> [B, T]
+
+
+def _float_dtype(x: Tensor) -> torch.dtype:
+    return x.dtype if x.is_floating_point() else torch.get_default_dtype()
+
+
+def _require(name: str, **inputs: Optional[Tensor]) -> None:
+    missing = [k for k, v in inputs.items() if v is None]
+    if missing:
+        raise ValueError(f"{name} advantages need {', '.join(missing)}: pass them to "
+                         "compute_advantages")
+
+
+def _check_same_shape(**tensors: Tensor) -> None:
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
+        raise ValueError(f"expected equal [B, T] shapes, got {shapes}: pass per-token tensors "
+                         "of one batch")

@@ -1,0 +1,174 @@
+"""PPO losses and their aggregation over tokens and sequences.
+
+Layout independence: the trainer splits a mini-batch into micro-batches and data-parallel ranks.
+It computes `mask_counts` of every micro-batch, sums them over the mini-batch (all micro-batches,
+all DP ranks) and passes the sums as `global_num_tokens` / `global_num_seqs`. Each micro-batch
+loss is then that micro-batch's share of the full mini-batch loss, and the sum over micro-batches
+and ranks equals the loss of the whole mini-batch computed at once, whatever the split. (Megatron's
+schedule divides each micro-batch loss by the number of micro-batches and DDP averages gradients
+over DP ranks: the trainer undoes both scalings; see docs/algorithms.md.)
+Without global counts, `agg_loss` normalises over the tensors it is given (a plain mean).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from rlstack.algorithms.kl import kl_estimate
+from rlstack.algorithms.masked import as_float_mask, masked_mean
+
+AggFn = Callable[[Tensor, Tensor, float, float], Tensor]
+LOSS_AGG_MODES: dict[str, AggFn] = {}
+# Which global count each mode divides by ("tokens" or "seqs").
+_AGG_COUNT: dict[str, str] = {}
+
+
+def register_agg(name: str, count: str) -> Callable[[AggFn], AggFn]:
+    assert count in ("tokens", "seqs")
+
+    def wrap(fn: AggFn) -> AggFn:
+        assert name not in LOSS_AGG_MODES, f"loss aggregation {name} registered twice"
+        LOSS_AGG_MODES[name], _AGG_COUNT[name] = fn, count
+        return fn
+    return wrap
+
+
+@register_agg("token-mean", count="tokens")
+def _token_mean(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
+    return (loss_mat * m).sum() / num_tokens
+
+
+@register_agg("seq-mean-token-sum", count="seqs")
+def _seq_mean_token_sum(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
+    return (loss_mat * m).sum(-1).sum() / num_seqs  # [B] -> scalar
+
+
+@register_agg("seq-mean-token-mean", count="seqs")
+def _seq_mean_token_mean(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
+    seq_mean = (loss_mat * m).sum(-1) / m.sum(-1).clamp(min=1e-8)  # [B]; empty rows give 0
+    return seq_mean.sum() / num_seqs
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_num_tokens: Optional[float] = None,
+             global_num_seqs: Optional[float] = None) -> Tensor:
+    """Scalar loss from a per-token loss [B, T].
+
+    token-mean: sum over masked tokens / number of tokens.
+    seq-mean-token-sum: sum over sequences of their token sums / number of sequences.
+    seq-mean-token-mean: sum over sequences of their token means / number of sequences.
+    The counts are the global ones when given (see the module doc), else those of `mask`.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}: choose one of "
+                         f"{', '.join(LOSS_AGG_MODES)}")
+    m = as_float_mask(mask, loss_mat)  # [B, T]
+    num_tokens, num_seqs = _counts(mode, m, global_num_tokens, global_num_seqs)
+    return LOSS_AGG_MODES[mode](loss_mat, m, num_tokens, num_seqs)
+
+
+def _counts(mode: str, m: Tensor, global_num_tokens, global_num_seqs):
+    needed = "global_num_tokens" if _AGG_COUNT[mode] == "tokens" else "global_num_seqs"
+    given = {"global_num_tokens": global_num_tokens, "global_num_seqs": global_num_seqs}
+    if given[needed] is None:
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"{mode} divides by {needed}, which is missing: pass the global "
+                             "counts of both kinds (sums of mask_counts over the mini-batch)")
+        # Local mean; an empty micro-batch has a zero numerator, so the clamp just avoids 0/0.
+        return m.sum().clamp(min=1e-8), (m.sum(-1) > 0).sum().clamp(min=1)
+    if given[needed] <= 0:
+        raise ValueError(f"{needed} is {given[needed]}: pass the positive count of the mini-batch")
+    return global_num_tokens, global_num_seqs
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+                clip_low: float, clip_high: float, clip_c: Optional[float] = 3.0,
+                agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
+                global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with separate low/high clip ratios and dual clip (Ye et al. 2020).
+
+    ratio = exp(logprob - old_logprob); per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low,
+    1 + clip_high)); for A < 0 that is further capped at -A * clip_c, so a huge ratio on a bad
+    token cannot make the loss unbounded. clip_c=None turns the dual clip off.
+    Stats (detached local masked means): clip_frac, approx_kl (k1 of old vs new), dual_clip_frac.
+    """
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"dual-clip bound clip_c={clip_c} must be > 1: set "
+                         "algorithm.clip_ratio_c above 1 (3.0 is usual)")
+    # Clamped before exp as in verl: a stale old_logprob must not overflow the ratio.
+    log_ratio = (logprob - old_logprob).clamp(min=-20.0, max=20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio  # [B, T]
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    stats = {"clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
+             "approx_kl": masked_mean(-log_ratio, mask)}
+    loss_mat = loss_ppo
+    if clip_c is not None:
+        loss_cap = -advantages * clip_c  # [B, T]
+        negative = advantages < 0
+        loss_mat = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+        dual = (loss_ppo > loss_cap) & negative
+        stats["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask)
+    else:
+        stats["dual_clip_frac"] = ratio.new_zeros(())
+    loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+# ----------------------------------------------------------------------------- critic
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: Optional[float] = 0.2, agg_mode: str = "token-mean",
+               global_num_tokens: Optional[float] = None,
+               global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """0.5 * max((v - R)^2, (clip(v, v_old - clip, v_old + clip) - R)^2), aggregated.
+
+    clip=None turns the value clip off. Stats: clip_frac (share of tokens where the clipped term
+    is the larger), values_mean (both detached local masked means).
+    """
+    if clip is not None and clip <= 0:
+        raise ValueError(f"value clip {clip} must be > 0: set algorithm.value_clip > 0")
+    loss_unclipped = (values - returns) ** 2  # [B, T]
+    if clip is None:
+        loss_mat, clip_frac = loss_unclipped, values.new_zeros(())
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+        loss_clipped = (values_clipped - returns) ** 2
+        loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+        clip_frac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
+    loss = 0.5 * agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs)
+    return loss, {"clip_frac": clip_frac.detach(), "values_mean": masked_mean(values, mask).detach()}
+
+
+# ----------------------------------------------------------------------------- KL and entropy
+
+
+def kl_loss(logprob: Tensor, ref_logprob: Tensor, mask: Tensor, kind: str = "k3",
+            agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
+            global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL(policy || reference) as a loss term (GRPO style); stats: kl (detached local mean)."""
+    kl = kl_estimate(logprob, ref_logprob, kind)  # [B, T]
+    loss = agg_loss(kl, mask, agg_mode, global_num_tokens, global_num_seqs)
+    return loss, {"kl": masked_mean(kl, mask).detach()}
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: [B, T, V] -> [B, T].
+
+    Needs the full vocabulary: logits sharded over tensor-parallel ranks need a vocab-parallel
+    version (all-reduce of the max, sum-exp and sum p*logit over the TP group).
+    """
+    log_z = torch.logsumexp(logits, dim=-1)  # [B, T]
+    probs = torch.softmax(logits, dim=-1)  # [B, T, V]
+    return log_z - (probs * logits).sum(-1)
+
+
+__all__ = ["LOSS_AGG_MODES", "agg_loss", "entropy_from_logits", "kl_loss", "masked_mean",
+           "policy_loss", "register_agg", "value_loss"]

