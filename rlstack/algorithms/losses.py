@@ -144,7 +144,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         loss_mat = torch.maximum(loss_unclipped, loss_clipped)
         clip_frac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
     loss = 0.5 * agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs)
-    return loss, {"clip_frac": clip_frac.detach(), "values_mean": masked_mean(values, mask).detach()}
+    stats = {"clip_frac": clip_frac, "values_mean": masked_mean(values, mask)}
+    return loss, {k: v.detach() for k, v in stats.items()}
 
 
 # ----------------------------------------------------------------------------- KL and entropy

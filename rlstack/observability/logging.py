@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Callable, Optional, TypeVar
 
 LOGGER_NAME = "rlstack"
@@ -115,11 +116,13 @@ def _add(log: logging.Logger, handler: logging.Handler, rank: int) -> None:
 
 
 def log_file_path(log: Optional[logging.Logger] = None) -> Optional[str]:
-    """Path of this rank's log file, or None when setup_logging wrote none."""
-    log = log or logging.getLogger(LOGGER_NAME)
-    for handler in log.handlers:
-        if getattr(handler, "_rlstack", False) and isinstance(handler, logging.FileHandler):
-            return handler.baseFilename
+    """Path of this rank's log file (looked up on `log` and its parents), or None if there is none."""
+    node = log or logging.getLogger(LOGGER_NAME)
+    while node is not None:
+        for handler in node.handlers:
+            if getattr(handler, "_rlstack", False) and isinstance(handler, logging.FileHandler):
+                return handler.baseFilename
+        node = node.parent if node.propagate else None
     return None
 
 
@@ -138,13 +141,18 @@ def format_step_line(step: int, metrics: dict) -> str:
     return " | ".join(parts)
 
 
-def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None) -> T:
+def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None,
+                     other_rank_exit_delay_s: float = 2.0) -> T:
     """Run fn(); a ValueError (a user mistake) becomes one console line and exit status 2.
 
     ValueError: rank 0 prints `error: <message>` to stderr, other ranks print nothing; every rank
     writes the traceback to its log file (when setup_logging gave it one); SystemExit(2).
     Any other exception: logged at ERROR with traceback to the log file, then re-raised, so Python
     prints the traceback and exits 1 (a bug deserves its trace).
+
+    Other ranks wait `other_rank_exit_delay_s` before exiting: torchrun SIGTERMs the survivors as
+    soon as one rank exits, and a config error hits every rank at once, so without the wait rank 1
+    can exit first and get rank 0 killed before it prints the line.
     """
     log = log or logging.getLogger(LOGGER_NAME)
     try:
@@ -154,6 +162,8 @@ def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logge
             log.error("user error: %s", e, exc_info=True, extra={FILE_ONLY: True})
         if rank == 0:
             _write_console(f"error: {e}", sys.stderr)
+        else:
+            time.sleep(other_rank_exit_delay_s)
         raise SystemExit(2) from None
     except Exception as e:
         if log_file_path(log) is not None:

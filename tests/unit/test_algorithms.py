@@ -69,7 +69,8 @@ def test_masked_whiten_by_hand_and_global_stats():
     g = torch.Generator().manual_seed(0)
     x, mask = torch.randn(6, 5, generator=g), torch.rand(6, 5, generator=g) > 0.3
     total = whiten_stats(x[:3].double(), mask[:3]) + whiten_stats(x[3:].double(), mask[3:])
-    parts = [masked_whiten(x[s], mask[s], reduce_fn=lambda _: total) for s in (slice(0, 3), slice(3, 6))]
+    halves = (slice(0, 3), slice(3, 6))
+    parts = [masked_whiten(x[s], mask[s], reduce_fn=lambda _: total) for s in halves]
     close(torch.cat(parts), masked_whiten(x, mask))
     with pytest.raises(ValueError, match="at least 2"):
         masked_whiten(T([[1.0, 2.0]]), T([[1, 0]]))
@@ -91,7 +92,8 @@ def test_gae_by_hand():
 
 def test_gae_ignores_rewards_and_values_off_the_mask():
     # A padding token with garbage reward/value after the end: same numbers, zeros on padding.
-    adv, ret = gae(T([[0.0, 0.0, 1.0, 5.0]]), T([[0.5, 0.6, 0.7, 100.0]]), T([[1, 1, 1, 0]]), 0.9, 0.8)
+    rewards, values = T([[0.0, 0.0, 1.0, 5.0]]), T([[0.5, 0.6, 0.7, 100.0]])
+    adv, ret = gae(rewards, values, T([[1, 1, 1, 0]]), 0.9, 0.8)
     close(adv, [[0.21712, 0.246, 0.3, 0.0]])
     close(ret, [[0.71712, 0.846, 1.0, 0.0]])
     # A masked hole (e.g. a tool-output turn) is skipped: t=2 as above (A2 = 0.3); t=0 sees
@@ -157,8 +159,10 @@ def test_group_estimators_read_token_rewards_summed_over_mask():
     mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
     token_rewards = T([[0.5, 0.5, 9.0], [0.0, 9.0, 9.0], [1.0, 0.5, 0.5], [-1.0, 9.0, 9.0]])
     groups = T([0, 0, 1, 1])
-    from_tokens = compute_advantages("grpo", token_rewards=token_rewards, group_ids=groups, mask=mask)
-    from_scores = compute_advantages("grpo", scores=T([1.0, 0.0, 2.0, -1.0]), group_ids=groups, mask=mask)
+    from_tokens = compute_advantages("grpo", token_rewards=token_rewards, group_ids=groups,
+                                     mask=mask)
+    from_scores = compute_advantages("grpo", scores=T([1.0, 0.0, 2.0, -1.0]), group_ids=groups,
+                                     mask=mask)
     close(from_tokens[0], from_scores[0])
     with pytest.raises(ValueError, match="exactly one"):
         compute_advantages("rloo", scores=T([1.0, 0, 2, -1]), token_rewards=token_rewards,
@@ -250,7 +254,8 @@ def test_agg_loss_by_hand():
     close(agg_loss(loss_mat, mask, "seq-mean-token-sum"), 3.5)  # (3 + 4) / 2
     close(agg_loss(loss_mat, mask, "seq-mean-token-mean"), 2.75)  # (1.5 + 4) / 2
     # An all-padding row neither adds loss nor counts as a sequence.
-    padded = (torch.cat([loss_mat, torch.ones(1, 3)]), torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)]))
+    padded = (torch.cat([loss_mat, torch.ones(1, 3)]),
+              torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)]))
     close(agg_loss(*padded, "seq-mean-token-mean"), 2.75)
     with pytest.raises(ValueError, match="global_num_seqs"):
         agg_loss(loss_mat, mask, "seq-mean-token-sum", global_num_tokens=3)
@@ -267,7 +272,7 @@ def test_agg_loss_split_invariance(mode):
     lengths[5] = 0  # one padding row
     mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, T] bool
     full = agg_loss(loss_mat, mask, mode)
-    # Rank r takes a shuffled share, cut into micro-batches of uneven size (2 ranks x 3 micro-batches).
+    # 2 ranks take shuffled shares, each cut into 3 micro-batches of uneven size.
     order = torch.randperm(num_seqs, generator=g)
     splits = [order[0:1], order[1:4], order[4:6], order[6:9], order[9:11], order[11:12]]
     counts = [mask_counts(mask[idx]) for idx in splits]
@@ -313,12 +318,13 @@ def test_policy_loss_without_dual_clip_and_errors():
         policy_loss(old, logprob, adv, mask, 0.2, 0.3, clip_c=1.0)
 
 
-def test_policy_loss_is_zero_gradient_free_at_ratio_one():
+def test_policy_loss_on_policy_gradient():
     # On-policy first step (logprob == old): ratio 1, loss = -mean(A), gradient -A / N.
     old = T([[-1.0, -2.0, -3.0]])
     logprob = old.clone().requires_grad_()
     adv, mask = T([[0.5, -1.0, 2.0]]), T([[1, 1, 0]])
-    loss, stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2, 3.0, agg_mode="seq-mean-token-sum")
+    loss, stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2, 3.0,
+                              agg_mode="seq-mean-token-sum")
     close(loss, -(0.5 - 1.0))
     loss.backward()
     close(logprob.grad, [[-0.5, 1.0, 0.0]])
@@ -330,7 +336,7 @@ def test_policy_loss_is_zero_gradient_free_at_ratio_one():
 
 
 def test_value_loss_by_hand():
-    # token 0: (1 - 2)^2 = 1; clipped v = 0.5 + clamp(0.5, +-0.2) = 0.7 -> (0.7 - 2)^2 = 1.69 -> 1.69
+    # token 0: (1 - 2)^2 = 1; clipped v = 0.5 + clamp(0.5, +-0.2) = 0.7 -> (0.7 - 2)^2 = 1.69
     # token 1: v = v_old = 2 -> 1 and 1 -> 1
     # token 2: (3 - 2.5)^2 = 0.25; clipped v = 2.2 -> 0.09 -> 0.25 (clip not binding)
     # 0.5 * (1.69 + 1 + 0.25) / 3 = 0.49

@@ -120,8 +120,11 @@ def test_other_errors_keep_their_traceback_and_exit_1(tmp_path):
     assert "ERROR rlstack: unrecoverable error: RuntimeError: bug here" in text
 
 
-def test_user_error_guard_returns_the_result():
+def test_user_error_guard_returns_the_result_and_finds_the_file_from_a_child_logger(tmp_path):
     assert rlog.user_error_guard(lambda: 41 + 1, rank=0) == 42
+    assert rlog.log_file_path() is None
+    setup_logging(str(tmp_path), rank=2)
+    assert rlog.log_file_path(logging.getLogger("rlstack.train")) == str(tmp_path / "logs" / "rank2.log")
 
 
 # ----------------------------------------------------------------------------- trackers
@@ -350,3 +353,27 @@ def test_tiny_run_writes_metrics_events_and_charts(tmp_path, capsys):
     assert len(step_lines) == 3 and "rss_gib" in step_lines[-1]
     written = plot_run(str(run))
     assert {Path(p).name for p in written} == {"reward.png", "kl.png", "losses.png", "throughput.png"}
+
+
+def test_monitor_gpu_path_with_a_stubbed_cuda(monkeypatch, caplog):
+    """No GPU here: stub torch.cuda's memory queries to check the GPU keys and warning."""
+    import torch
+
+    from rlstack.observability import monitor as mon
+
+    gib = 1024**3
+    monkeypatch.setattr(mon, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (10 * gib, 100 * gib))  # (free, total)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 35 * gib)
+    monitor = ResourceMonitor(warn_fraction=0.85, total_bytes=10**15)  # host check stays quiet
+    with caplog.at_level(logging.WARNING, logger="rlstack"):
+        metrics = monitor.sample()
+    assert metrics["mem/gpu_alloc_gib"] == 30 and metrics["mem/gpu_peak_gib"] == 35
+    assert metrics["mem/gpu_reserved_gib"] == 40 and metrics["mem/gpu_used_frac"] == pytest.approx(0.9)
+    gpu_warnings = [r.getMessage() for r in caplog.records if "GPU 0" in r.getMessage()]
+    assert gpu_warnings == ["memory: GPU 0 memory 90% used (90.0 of 100.0 GiB; this rank: allocated 30.0 GiB, "
+                            "reserved 40.0 GiB), past logging.memory_warn_fraction=0.85: "
+                            "lower rollout.gpu_memory_utilization or the micro batch sizes"]

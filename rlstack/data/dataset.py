@@ -1,0 +1,154 @@
+"""Tokenised prompt datasets for the trainer, built from files or a synthetic task.
+
+Every prompt is tokenised (with the model's chat template) and checked against
+`max_prompt_length` when the dataset is built, so a bad row stops the run before any step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlstack.data import synthetic
+from rlstack.data.rows import load_rows, row_origin, validate_row
+from rlstack.data.sampler import PromptSampler, val_batches  # noqa: F401  (the trainer's imports)
+
+logger = logging.getLogger("rlstack.data")
+TRUNCATION = ("error", "drop")
+
+
+@dataclass
+class Prompt:
+    index: int  # position of the row in the rows the dataset was built from (before drops)
+    input_ids: list[int]  # chat template applied, generation prompt appended
+    data_source: str
+    ground_truth: str
+    extra_info: dict = field(default_factory=dict)
+
+
+class PromptDataset:
+    """Rows -> Prompts. truncation='error' raises on a too-long prompt; 'drop' skips and counts it."""
+
+    def __init__(self, rows: list[dict], tokenizer: Any, max_prompt_length: int,
+                 truncation: str = "error", system_prompt: str = "", prompt_key: str = "prompt"):
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation {truncation!r} is unknown: set data.truncation to error or drop")
+        self.max_prompt_length = max_prompt_length
+        self.num_dropped = 0
+        self.prompts: list[Prompt] = []
+        for index, row in enumerate(rows):
+            origin = row_origin(row, index)
+            row = validate_row(row, origin, prompt_key)  # rows built in code get the same checks
+            ids = _tokenize(tokenizer, _messages(row[prompt_key], system_prompt), origin)
+            if len(ids) > max_prompt_length:
+                if truncation == "error":
+                    raise ValueError(f"{origin}: prompt is {len(ids)} tokens after the chat template, over "
+                                     f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length "
+                                     "or set data.truncation=drop")
+                self.num_dropped += 1
+                continue
+            self.prompts.append(Prompt(index=index, input_ids=ids, data_source=row["data_source"],
+                                       ground_truth=str(row["reward_model"]["ground_truth"]),
+                                       extra_info=row["extra_info"]))
+        if rows and not self.prompts:
+            raise ValueError(f"all {len(rows)} prompts are longer than data.max_prompt_length="
+                             f"{max_prompt_length} tokens: raise data.max_prompt_length")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
+
+    @property
+    def data_sources(self) -> list[str]:
+        """Distinct data_source values (sorted): the reward scorers this dataset needs."""
+        return sorted({p.data_source for p in self.prompts})
+
+
+def _messages(messages: list[dict], system_prompt: str) -> list[dict]:
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _tokenize(tokenizer: Any, messages: list[dict], origin: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the model's tokenizer has no chat template (needed for {origin}): "
+                         "use an instruct/chat model or add a chat_template to its tokenizer_config.json")
+    try:
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except Exception as e:  # jinja2 errors raised by the template itself (e.g. role order rules)
+        raise ValueError(f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "
+                         f"{e}): fix the row's messages to suit this model's template") from e
+    return [int(i) for i in ids]
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_datasets(data_cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[PromptDataset]]:
+    """(train, val or None): files when data.train_files is set, else the synthetic task.
+
+    data.val_files, when set, is the val set in both cases; otherwise the synthetic task's val
+    split (data.synthetic_val_size prompts; 0 means no val set).
+    """
+    if data_cfg.train_files:
+        if data_cfg.synthetic:
+            logger.warning("data.synthetic=%s has no effect: data.train_files is set", data_cfg.synthetic)
+        train_rows = load_rows(data_cfg.train_files, data_cfg.prompt_key)
+    elif data_cfg.synthetic:
+        train_rows = _synthetic_rows(data_cfg, "train", data_cfg.synthetic_train_size)
+        if not train_rows:
+            raise ValueError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
+    else:
+        raise ValueError("no training data: set data.train_files=[...] or data.synthetic=arith")
+    if data_cfg.val_files:
+        val_rows = load_rows(data_cfg.val_files, data_cfg.prompt_key)
+    elif data_cfg.synthetic and not data_cfg.train_files:
+        val_rows = _synthetic_rows(data_cfg, "val", data_cfg.synthetic_val_size)
+    else:
+        val_rows = []
+    train = _build(train_rows, tokenizer, data_cfg, "train")
+    val = _build(val_rows, tokenizer, data_cfg, "val") if val_rows else None
+    return train, val
+
+
+def _synthetic_rows(data_cfg: Any, split: str, n: int) -> list[dict]:
+    return synthetic.make_rows(data_cfg.synthetic, n, data_cfg.seed, split, data_cfg.synthetic_max_operand)
+
+
+def _build(rows: list[dict], tokenizer: Any, data_cfg: Any, name: str) -> PromptDataset:
+    dataset = PromptDataset(rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation,
+                            data_cfg.system_prompt, data_cfg.prompt_key)
+    if dataset.num_dropped:
+        logger.warning("%s set: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+                       name, dataset.num_dropped, len(rows), data_cfg.max_prompt_length)
+    logger.info("%s set: %d prompts (%s)", name, len(dataset), ", ".join(dataset.data_sources))
+    return dataset
+
+
+# ----------------------------------------------------------------------------- validation metrics
+
+
+def val_accuracy(scores: list[float], data_sources: list[str]) -> dict[str, float]:
+    """Share of correct responses, overall and per data_source; a score >= 1.0 counts as correct.
+
+    Rule scorers give 1.0 for a right answer; custom scores that reward partially (e.g. a format
+    bonus below 1.0) therefore never count as correct.
+    """
+    assert len(scores) == len(data_sources) > 0, (len(scores), len(data_sources))
+    per_source: dict[str, list[bool]] = defaultdict(list)
+    for score, source in zip(scores, data_sources):
+        per_source[source].append(float(score) >= 1.0)
+    correct = [c for flags in per_source.values() for c in flags]
+    metrics = {"val/accuracy": sum(correct) / len(correct)}
+    for source in sorted(per_source):
+        flags = per_source[source]
+        metrics[f"val/accuracy/{source}"] = sum(flags) / len(flags)
+    return metrics

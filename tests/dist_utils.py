@@ -1,0 +1,80 @@
+"""Spawn a small gloo world for distributed tests (CPU, 2-4 ranks).
+
+`run_distributed(fn, world_size, *args)` starts `world_size` spawned processes with the environment
+torchrun would give them, calls `fn(*args)` in each and returns the per-rank results (picklable).
+A rank that raises fails the test with that rank's traceback; a hung world is killed at `timeout`.
+`fn` must be a module-level function (spawn pickles it by name).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args, env):
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    })
+    os.environ.update(env or {})
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException:  # report every failure, including SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            except Exception:
+                pass
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dict | None = None) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, env), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    by_rank, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s "
+                                   f"(ranks done: {sorted(by_rank)})")
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            by_rank[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [by_rank[r] for r in range(world_size)]
