@@ -175,3 +175,38 @@ def destroy_distributed() -> None:
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# SmolLM2-135M-Instruct (the embedded default), so `model.path: default` validates without the cache.
+DEFAULT_MODEL_SHAPE = ModelShape(num_layers=30, num_attention_heads=9, num_query_groups=3, vocab_size=49152)
+
+
+def model_shape_from_config(model_cfg) -> Optional[ModelShape]:
+    """Shape of the configured model without loading it; None when the path does not exist yet."""
+    import json
+
+    if model_cfg.path == "default":
+        return DEFAULT_MODEL_SHAPE
+    if model_cfg.path == "tiny":
+        t = model_cfg.tiny
+        return ModelShape(t.num_layers, t.num_attention_heads, t.num_key_value_heads, 300)
+    config_path = os.path.join(model_cfg.path, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    return ModelShape(hf["num_hidden_layers"], heads, hf.get("num_key_value_heads") or heads, hf["vocab_size"])
+
+
+def check_layout(cfg, world_size: int) -> ParallelDims:
+    """Static parallel checks of an experiment config (no process group, no model load)."""
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size)
+    shape = model_shape_from_config(cfg.model)
+    if shape is not None:
+        dims.check_model(shape)
+    if cfg.data.train_batch_size % dims.dp:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not divide over {dims.dp} "
+                         f"data-parallel ranks: make it a multiple of {dims.dp}")
+    return dims

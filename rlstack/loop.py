@@ -1,0 +1,135 @@
+"""The run: process groups, trainer, trackers, checkpoints, validation; teardown in `finally`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+log = logging.getLogger("rlstack")
+
+
+def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "") -> int:
+    import numpy as np
+    import torch
+
+    from rlstack.parallel import destroy_distributed, init_distributed
+
+    _set_threads(cfg.parallel.threads_per_rank)
+    p = cfg.parallel
+    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True)
+    trainer = trackers = None
+    try:
+        trainer, trackers = _start(cfg, groups, config_yaml)
+        _loop(cfg, trainer, trackers, groups, dry_run, profile)
+    finally:
+        if trackers is not None:
+            trackers.close()
+        if trainer is not None:
+            trainer.engine.close()
+        destroy_distributed()
+    return 0
+
+
+def _start(cfg, groups, config_yaml: str):
+    from rlstack.observability.logging import setup_logging
+    from rlstack.observability.trackers import build_trackers
+    from rlstack.trainer import Trainer
+
+    out = cfg.trainer.output_dir
+    setup_logging(out, groups.rank, cfg.logging.level)
+    if groups.rank == 0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+    log.info("layout tp=%d pp=%d dp=%d world=%d backend=%s", groups.dims.tp, groups.dims.pp, groups.dims.dp,
+             groups.dims.world_size, "nccl" if groups.device.type == "cuda" else "gloo")
+    trainer = Trainer(cfg, groups)
+    from rlstack.config import to_dict
+
+    trackers = build_trackers(cfg.logging.trackers, out, groups.rank, config_dict=to_dict(cfg),
+                              project=cfg.logging.project, run_name=cfg.logging.run_name)
+    return trainer, trackers
+
+
+def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
+    from rlstack.observability.monitor import ResourceMonitor
+
+    checkpointer = _checkpointer(cfg, groups, dry_run)
+    if checkpointer is not None:
+        checkpointer.resume(trainer)
+    monitor = ResourceMonitor(warn_fraction=cfg.logging.memory_warn_fraction, logger=log)
+    before = _checksum(trainer) if dry_run else None
+    val_first = None
+    if cfg.trainer.val_before_train and trainer.step == 0:
+        val_first = trainer.validate()
+        log.info("validation before training: %s", _fmt(val_first))
+        trackers.log(dict(val_first), step=0)
+    while trainer.step < cfg.trainer.total_steps:
+        metrics = trainer.train_step(dry_run=dry_run)
+        metrics.update(monitor.sample())
+        step = trainer.step
+        if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+            metrics.update(trainer.validate())
+        trackers.log(metrics, step=step)
+        if profile:
+            log.info(_profile_line(metrics))
+        if checkpointer is not None:
+            checkpointer.maybe_save(trainer)
+    if cfg.trainer.val_after_train:
+        val_last = trainer.validate()
+        log.info("validation after training: %s", _fmt(val_last))
+        if val_first:
+            log.info("val/accuracy before=%.3f after=%.3f", val_first.get("val/accuracy", float("nan")),
+                     val_last.get("val/accuracy", float("nan")))
+        trackers.log(dict(val_last), step=trainer.step)
+    if dry_run:
+        after = _checksum(trainer)
+        if after != before:
+            raise AssertionError(f"--dry-run changed parameters: checksum {before} -> {after}")
+        log.info("dry run: parameter checksum unchanged (%s)", after)
+
+
+def _checkpointer(cfg, groups, dry_run: bool):
+    if dry_run or (cfg.checkpoint.save_every <= 0 and cfg.checkpoint.resume == "never"):
+        return None
+    from rlstack.checkpoint import Checkpointer
+
+    return Checkpointer(cfg, groups)
+
+
+def _checksum(trainer) -> str:
+    """Sum of every trainable parameter on this rank (actor and critic), for --dry-run."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    roles = [trainer.actor.role] + ([trainer.critic.role] if trainer.critic is not None else [])
+    for role in roles:
+        for p in role.module.parameters():
+            total += p.detach().double().abs().sum().cpu()
+    return f"{total.item():.10e}"
+
+
+def _profile_line(m: dict) -> str:
+    return ("profile: rollout {:.1f} tok/s | actor {:.1f} tok/s | critic {} tok/s | step {:.2f} s".format(
+        m.get("throughput/rollout_tok_s", 0.0), m.get("throughput/actor_tok_s", 0.0),
+        f"{m['throughput/critic_tok_s']:.1f}" if "throughput/critic_tok_s" in m else "-",
+        m.get("timing/step_s", 0.0)))
+
+
+def _fmt(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+
+
+def _set_threads(threads_per_rank: int) -> None:
+    import torch
+
+    if threads_per_rank <= 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads_per_rank = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads_per_rank)

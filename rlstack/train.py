@@ -1,0 +1,56 @@
+"""Entry point: parse -> init distributed -> build -> loop -> teardown.
+
+    torchrun --nproc_per_node=2 -m rlstack.train --config yaml_configs/tiny_cpu.yaml key=value ...
+    python -m rlstack.train --config FILE --validate-only     # any machine, nothing started
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m rlstack.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--dry-run", action="store_true", help="full flow, no parameter changed")
+    parser.add_argument("--profile", action="store_true", help="per-stage throughput lines")
+    parser.add_argument("--validate-only", action="store_true", help="check the config and exit")
+    parser.add_argument("--world-size", type=int, default=0, help="with --validate-only: world size to check")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from rlstack.observability.logging import setup_logging, user_error_guard
+
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    log = setup_logging(None, rank)
+    return user_error_guard(lambda: _run(args, rank), rank, log)
+
+
+def _run(args, rank: int) -> int:
+    from rlstack.config import load_config, to_yaml
+    from rlstack.parallel import check_layout
+
+    cfg = load_config(args.config, args.overrides)
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or _default_world(cfg)
+    dims = check_layout(cfg, world_size)
+    if args.validate_only:
+        print(f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size})")
+        return 0
+    from rlstack.loop import run_training
+
+    return run_training(cfg, dry_run=args.dry_run, profile=args.profile, config_yaml=to_yaml(cfg))
+
+
+def _default_world(cfg) -> int:
+    p = cfg.parallel
+    return p.tp * p.pp * max(p.dp, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The PPO/GRPO loop: sync -> rollout -> score -> advantages -> update -> record.
+
+Every rank runs the same program (SPMD). Each rank hosts its shard of the actor, critic and
+reference on the megatron TP/PP/DP groups, and a full rollout engine. Rollout work is split over
+all ranks and gathered inside each model-parallel group, so TP/PP peers train on the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+import torch
+import torch.distributed as dist
+
+from rlstack.algorithms import build_kl_controller, compute_advantages, place_at_last_token
+from rlstack.algorithms.kl import apply_kl_penalty
+from rlstack.config import ExperimentConfig, adv_estimator
+from rlstack.parallel import ParallelGroups
+from rlstack.workers.actor import Actor, compute_logprobs
+from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
+from rlstack.workers.critic import Critic
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum
+from rlstack.workers.step_metrics import reduce_stats
+
+log = logging.getLogger("rlstack")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, groups: ParallelGroups):
+        from megatron_bridge.hf import resolve_model_path
+        from rlstack.data.dataset import build_datasets
+        from rlstack.data.sampler import PromptSampler
+        from rlstack.rewards import RewardScorer
+
+        self.cfg, self.groups = cfg, groups
+        self.hf_dir = resolve_model_path(cfg.model.path, tiny_spec=asdict(cfg.model.tiny),
+                                         cache_dir=cfg.model.cache_dir)
+        self.tokenizer = _load_tokenizer(self.hf_dir)
+        self.train_set, self.val_set = build_datasets(cfg.data, self.tokenizer)
+        self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
+        self.scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
+        self.scorer.check_sources(self.train_set.data_sources())
+        self._build_models()
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl, cfg.algorithm.kl_coef,
+                                           cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
+        self.step = 0
+
+    # ------------------------------------------------------------------ build
+
+    def _build_models(self) -> None:
+        from megatron_bridge.reshard import WeightSync
+        from rlstack.rollout import build_engine
+
+        cfg, g = self.cfg, self.groups
+        a = cfg.algorithm
+        dtype = DTYPES[cfg.model.dtype]
+        optim = dict(weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
+                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+        recompute = cfg.model.gradient_checkpointing
+        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=OptimSettings(lr=a.actor_lr, **optim),
+                                        recompute=recompute), a)
+        self.ref = MegatronRole(self.hf_dir, g, dtype) if self.needs_reference else None
+        self.critic = None
+        if a.name == "ppo":
+            critic_dir = cfg.model.critic_path or self.hf_dir
+            self.critic = Critic(MegatronRole(critic_dir, g, dtype, value_head=True, recompute=recompute,
+                                              optim=OptimSettings(lr=a.critic_lr, **optim),
+                                              value_head_seed=cfg.trainer.seed), a)
+        self.engine = build_engine(cfg.rollout, self.hf_dir, g, self.tokenizer.eos_token_id,
+                                   self.tokenizer.pad_token_id)
+        self.weight_sync = WeightSync(self.actor.role.module, self.actor.role.args, g, self.engine,
+                                      bucket_mb=cfg.rollout.sync_bucket_mb)
+
+    @property
+    def needs_reference(self) -> bool:
+        a = self.cfg.algorithm
+        return a.use_kl_loss or a.use_kl_in_reward
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, dry_run: bool = False) -> dict:
+        cfg, g = self.cfg, self.groups
+        timings, t_step = {}, time.perf_counter()
+        t0 = time.perf_counter()
+        sync_stats = self.weight_sync.sync()
+        timings["timing/sync_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        prompts = [self.train_set[i] for i in self.sampler.next_batch()]
+        gens, gen_tokens = self.generate(prompts, greedy=False)
+        timings["timing/rollout_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        batch, scores = self._score(prompts, gens)
+        timings["timing/score_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        metrics = self._update(batch, forward_only=dry_run)
+        timings["timing/update_s"] = time.perf_counter() - t0
+        timings["timing/step_s"] = time.perf_counter() - t_step
+
+        metrics.update(timings)
+        metrics.update(sync_stats.as_metrics())
+        metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
+        self.step += 1
+        return metrics
+
+    def generate(self, prompts: list, greedy: bool, world: bool = False):
+        """Generate for `prompts` (this DP rank's, or all ranks' with world=True), split over ranks.
+
+        Returns (generations in prompt order, number of tokens generated by all ranks).
+        """
+        from rlstack.rollout import SamplingParams
+
+        g, r = self.groups, self.cfg.rollout
+        group, size, rank = (g.world, g.dims.world_size, g.rank) if world else (g.mp, _mp_size(g), _mp_rank(g))
+        mine = split_for_rank(list(range(len(prompts))), rank, size)
+        params = SamplingParams(n=1 if greedy else r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, greedy=greedy, seed=r.seed)
+        local = self.engine.generate([prompts[i].input_ids for i in mine], params) if mine else []
+        rows = [(mine[x.prompt_index], x.response_ids, x.logprobs, x.finish_reason) for x in local]
+        rows = gather_objects(rows, group, size)
+        n_tokens = all_reduce_sum([float(sum(len(x[1]) for x in local))], g.world)[0]
+        return rows, n_tokens
+
+    def _score(self, prompts: list, gens: list):
+        device = self.groups.device
+        prompt_ids = [prompts[i].input_ids for i, *_ in gens]
+        response_ids = [resp for _, resp, *_ in gens]
+        scores = []
+        for (i, resp, *_rest) in gens:
+            p = prompts[i]
+            text = self.tokenizer.decode(resp, skip_special_tokens=True)
+            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
+        mbs = self.cfg.algorithm.micro_batch_size
+        batch = make_batch(prompt_ids, response_ids, self.tokenizer.pad_token_id, mbs, device)
+        batch["scores"] = scatter_to_tokens(scores, batch)
+        group_ids = [i for i, *_ in gens] + [-1] * (batch["tokens"].shape[0] - len(gens))
+        batch["group_ids"] = torch.tensor(group_ids, dtype=torch.long, device=device)
+        batch["num_sequences"] = len(gens)
+        batch["num_tokens"] = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+        return batch, scores
+
+    def _update(self, batch: dict, forward_only: bool) -> dict:
+        cfg, a, g = self.cfg, self.cfg.algorithm, self.groups
+        mbs = a.micro_batch_size
+        metrics = {}
+        batch["old_logprob"] = compute_logprobs(self.actor.role, batch, mbs)
+        if self.ref is not None:
+            batch["ref_logprob"] = compute_logprobs(self.ref, batch, mbs)
+        if self.critic is not None:
+            batch["old_values"] = self.critic.compute_values(batch, mbs)
+        metrics.update(self._advantages(batch))
+        minis = _mini_batches(batch, a.mini_batch_size, g.dims.dp, mbs)
+        actor_stats, critic_stats, grad_norms = [], [], []
+        train_actor = self.step >= a.critic_warmup_steps
+        actor_s = critic_s = 0.0
+        for _ in range(a.ppo_epochs):
+            for mini in minis:
+                counts, scale = self._counts(mini)
+                t0 = time.perf_counter()
+                if self.critic is not None:
+                    out = self.critic.update(mini, counts, mbs, scale, forward_only=forward_only)
+                    critic_stats += out["stats"]
+                t1 = time.perf_counter()
+                if train_actor:
+                    actor_inputs = {k: v for k, v in mini.items() if k not in ("old_values", "returns")}
+                    out = self.actor.update(actor_inputs, counts, mbs, scale, forward_only=forward_only)
+                    actor_stats += out["stats"]
+                    grad_norms.append(out["grad_norm"])
+                actor_s += time.perf_counter() - t1
+                critic_s += t1 - t0
+        metrics.update(self._train_throughput(batch, actor_s, critic_s))
+        metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
+        metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
+        if grad_norms:
+            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return metrics
+
+    def _train_throughput(self, batch: dict, actor_s: float, critic_s: float) -> dict:
+        """Tokens (prompt + response, all DP ranks) trained per second, per role."""
+        g = self.groups
+        tokens = all_reduce_sum([float(batch["num_tokens"]) * self.cfg.algorithm.ppo_epochs], g.dp)[0]
+        out = {"timing/actor_update_s": actor_s}
+        if actor_s > 0:
+            out["throughput/actor_tok_s"] = tokens / actor_s
+        if self.critic is not None and critic_s > 0:
+            out["throughput/critic_tok_s"] = tokens / critic_s
+            out["timing/critic_update_s"] = critic_s
+        return out
+
+    def _advantages(self, batch: dict) -> dict:
+        a, g = self.cfg.algorithm, self.groups
+        mask = batch["resp_mask"]
+        token_rewards = place_at_last_token(batch["scores"], mask)  # [B, S]
+        metrics = {}
+        if a.use_kl_in_reward:
+            token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"], batch["ref_logprob"],
+                                                      mask, self.kl_ctrl.value, "k1")
+            kl_mean = all_reduce_sum([float(kl_mean)], g.dp)[0] / g.dims.dp
+            self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
+            metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
+        estimator = adv_estimator(self.cfg)
+        n = batch["num_sequences"]  # rows past n only fill the last micro-batch
+        inputs = dict(token_rewards=token_rewards[:n])
+        if estimator == "gae":
+            inputs["values"] = batch["old_values"][:n]
+        adv, returns = compute_advantages(estimator, mask=mask[:n], group_ids=batch["group_ids"][:n], gamma=a.gamma,
+                                          lam=a.lam, reduce_fn=_sum_over(g.dp), **inputs)
+        batch["advantages"] = _pad_rows(adv.detach(), mask.shape[0])
+        batch["returns"] = _pad_rows(returns.detach(), mask.shape[0])
+        return metrics
+
+    def _counts(self, mini: dict) -> tuple[dict, float]:
+        g, mask = self.groups, mini["resp_mask"]
+        tokens, seqs = all_reduce_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp)
+        num_micro = mini["tokens"].shape[0] // self.cfg.algorithm.micro_batch_size
+        return {"global_num_tokens": tokens, "global_num_seqs": seqs}, float(num_micro * g.dims.dp)
+
+    def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
+        g = self.groups
+        total, count, length = all_reduce_sum([sum(scores), len(scores), sum(len(x[1]) for x in gens)], g.dp)
+        sq = all_reduce_sum([sum((s - total / count) ** 2 for s in scores)], g.dp)[0]
+        rollout_s = max(timings["timing/rollout_s"], 1e-9)
+        return {"reward/mean": total / count, "reward/std": (sq / count) ** 0.5,
+                "response/length_mean": length / count, "throughput/rollout_tok_s": gen_tokens / rollout_s}
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self) -> dict:
+        if self.val_set is None or len(self.val_set) == 0:
+            return {}
+        from rlstack.data.dataset import val_accuracy
+
+        prompts = [self.val_set[i] for i in range(len(self.val_set))]
+        gens, _ = self.generate(prompts, greedy=True, world=True)
+        scores, sources = [], []
+        for i, resp, *_ in gens:
+            p = prompts[i]
+            text = self.tokenizer.decode(resp, skip_special_tokens=True)
+            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
+            sources.append(p.data_source)
+        return val_accuracy(scores, sources)
+
+
+def _mp_size(g: ParallelGroups) -> int:
+    return g.dims.tp * g.dims.pp
+
+
+def _mp_rank(g: ParallelGroups) -> int:
+    return dist.get_rank(group=g.mp) if _mp_size(g) > 1 else 0
+
+
+def _sum_over(group):
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return reduce
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = torch.zeros((rows - x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=0)
+
+
+def _mini_batches(batch: dict, mini_batch_size: int, dp: int, mbs: int) -> list[dict]:
+    """Split this rank's batch into mini-batches (global size / dp each, a multiple of mbs)."""
+    size = batch["tokens"].shape[0]
+    if mini_batch_size <= 0:
+        return [batch]
+    local = max(mbs, (mini_batch_size // dp) // mbs * mbs)
+    keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == size]
+    return [{k: batch[k][i:i + local] for k in keys} for i in range(0, size, local)]
+
+
+def _load_tokenizer(hf_dir: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+

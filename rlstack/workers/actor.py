@@ -1,0 +1,81 @@
+"""Actor and reference: log-probs over megatron's schedule, and the PPO policy update.
+
+Token layout (all [B, S] tensors): `tokens` right-padded prompt+response; `resp_mask[b, t]` = 1 where
+token t is a response token; `logprob[b, t]` = log p(tokens[b, t] | tokens[b, <t]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlstack.algorithms import agg_loss, kl_loss, policy_loss
+from rlstack.config import AlgorithmConfig
+from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
+from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
+
+
+def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False):
+    """logits [b, S, V/tp] of a micro-batch -> token-aligned logprob [b, S] (+ entropy [b, S])."""
+    g = role.groups
+    out = vocab_parallel_logprobs(logits, shift_targets(mb["tokens"]), role.args.vocab_size, g.tp,
+                                  g.tp_rank, g.dims.tp, with_entropy=with_entropy)
+    if with_entropy:
+        return align_to_tokens(out[0]), align_to_tokens(out[1])
+    return align_to_tokens(out)
+
+
+def compute_logprobs(role: MegatronRole, batch: dict, micro_batch_size: int) -> torch.Tensor:
+    """Forward-only log-probs [B, S] on every pipeline stage."""
+
+    def loss_fn(mb, logits):
+        return torch.zeros((), device=logits.device), {"logprob": token_logprobs(role, mb, logits)}
+
+    stats = role.run(split_micro_batches(_model_inputs(batch), micro_batch_size), loss_fn, forward_only=True)
+    out = cat_stats(stats, "logprob") if role.groups.is_last_stage else None
+    return role.broadcast_from_last_stage(out, batch["tokens"].shape, torch.float32)
+
+
+def _model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("tokens", "position_ids")}
+
+
+class Actor:
+    def __init__(self, role: MegatronRole, algo: AlgorithmConfig):
+        self.role = role
+        self.algo = algo
+
+    def update(self, batch: dict, counts: dict, micro_batch_size: int, scale: float,
+               forward_only: bool = False) -> dict:
+        """One optimizer step on a mini-batch (or, with forward_only, the same maths with no step).
+
+        `counts` are the mini-batch's global token/sequence counts (all DP ranks), `scale` is
+        num_microbatches x dp_size: megatron divides each micro-batch loss by the number of
+        micro-batches and DDP averages over DP; the scale undoes both so the gradient is that of
+        the globally normalised loss, independent of the parallel layout.
+        """
+        a = self.algo
+
+        def loss_fn(mb, logits):
+            logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True)
+            mask = mb["resp_mask"]
+            pg, pg_stats = policy_loss(mb["old_logprob"], logprob, mb["advantages"], mask, a.clip_ratio_low,
+                                       a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
+            loss = pg
+            ntok = mask.sum()
+            stats = {"actor/pg_loss": pg.detach(), "actor/entropy_sum": (entropy.detach() * mask).sum(),
+                     "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok, "actor/tokens": ntok,
+                     "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok}
+            if a.use_kl_loss and "ref_logprob" in mb:
+                kl, kl_stats = kl_loss(logprob, mb["ref_logprob"], mask, a.kl_loss_type, a.loss_agg_mode, **counts)
+                loss = loss + a.kl_loss_coef * kl
+                stats["actor/kl_sum"] = kl_stats["kl"] * ntok
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+            stats["actor/loss"] = loss.detach()
+            return loss * scale, stats
+
+        mbs = split_micro_batches(batch, micro_batch_size)
+        if forward_only:
+            return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
+        stats, grad_norm = self.role.train_step(mbs, loss_fn)
+        return {"stats": stats, "grad_norm": grad_norm}

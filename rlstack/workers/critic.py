@@ -1,0 +1,48 @@
+"""Critic: a GPTModel with a scalar value head; values and the clipped value-loss update."""
+
+from __future__ import annotations
+
+import torch
+
+from rlstack.algorithms import value_loss
+from rlstack.config import AlgorithmConfig
+from rlstack.workers.logprobs import align_to_tokens
+from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
+
+
+def _values(output: torch.Tensor) -> torch.Tensor:
+    """[b, S, 1] value-head output at each position -> token-aligned values [b, S] (V before token t)."""
+    return align_to_tokens(output.squeeze(-1).float())
+
+
+class Critic:
+    def __init__(self, role: MegatronRole, algo: AlgorithmConfig):
+        self.role = role
+        self.algo = algo
+
+    def compute_values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        def loss_fn(mb, output):
+            return torch.zeros((), device=output.device), {"values": _values(output)}
+
+        inputs = {k: batch[k] for k in ("tokens", "position_ids")}
+        stats = self.role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
+        out = cat_stats(stats, "values") if self.role.groups.is_last_stage else None
+        return self.role.broadcast_from_last_stage(out, batch["tokens"].shape, torch.float32)
+
+    def update(self, batch: dict, counts: dict, micro_batch_size: int, scale: float,
+               forward_only: bool = False) -> dict:
+        a = self.algo
+
+        def loss_fn(mb, output):
+            values = _values(output)
+            loss, stats = value_loss(values, mb["old_values"], mb["returns"], mb["resp_mask"], a.value_clip,
+                                     a.loss_agg_mode, **counts)
+            ntok = mb["resp_mask"].sum()
+            return loss * scale, {"critic/loss": loss.detach(), "critic/clipfrac_sum": stats["clip_frac"] * ntok,
+                                  "critic/tokens": ntok}
+
+        mbs = split_micro_batches(batch, micro_batch_size)
+        if forward_only:
+            return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
+        stats, grad_norm = self.role.train_step(mbs, loss_fn)
+        return {"stats": stats, "grad_norm": grad_norm}

@@ -1,0 +1,154 @@
+"""One Megatron model role (actor, critic or reference) on this rank's TP/PP/DP groups.
+
+Every forward and backward goes through megatron's `get_forward_backward_func`, so pipeline
+parallelism works with micro-batches; trainable roles are wrapped in megatron DDP with a megatron
+optimizer (optionally the distributed optimizer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlstack.parallel import ParallelGroups
+
+
+@dataclass
+class OptimSettings:
+    lr: float
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    use_distributed_optimizer: bool = False
+
+
+class MegatronRole:
+    """A (possibly DDP-wrapped) GPTModel stage plus its optimizer."""
+
+    def __init__(self, hf_dir: str, groups: ParallelGroups, dtype: torch.dtype, value_head: bool = False,
+                 optim: Optional[OptimSettings] = None, recompute: bool = False, value_head_seed: int = 0):
+        from megatron_bridge.hf import build_megatron_from_hf
+
+        self.groups = groups
+        model, self.args = build_megatron_from_hf(hf_dir, groups, dtype=dtype, value_head=value_head,
+                                                  recompute=recompute)
+        if value_head and groups.is_last_stage:
+            from rlstack.models import init_value_head_
+
+            init_value_head_(model.output_layer, seed=value_head_seed)
+        self.config = model.config
+        self.optimizer = None
+        if optim is None:
+            model.requires_grad_(False)
+            model.eval()
+            self.model = model
+        else:
+            self.model, self.optimizer = _wrap_for_training(model, self.config, optim)
+        self.padded_vocab = self.args.padded_vocab_size(groups.dims.tp)
+
+    @property
+    def module(self):
+        """The bare GPTModel (unwrapped from DDP)."""
+        return getattr(self.model, "module", self.model)
+
+    def run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
+        """Run `loss_fn(mb, output) -> (loss, stats)` over micro-batches; stats from the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["tokens"], mb["position_ids"], None)
+            return output, functools.partial(_call_loss, loss_fn, mb)
+
+        tokens = micro_batches[0]["tokens"]
+        with torch.no_grad() if forward_only else _nullcontext():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+                num_microbatches=len(micro_batches), seq_length=tokens.shape[1],
+                micro_batch_size=tokens.shape[0], forward_only=forward_only,
+            )
+
+    def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> tuple[list[dict], float]:
+        """Zero grads, forward/backward every micro-batch, one optimizer step. Returns (stats, grad norm)."""
+        assert self.optimizer is not None, "reference roles are frozen"
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = self.run(micro_batches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: gradients hold inf/nan")
+        return stats, float(grad_norm or 0.0)
+
+    def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+        """Last pipeline stage's tensor on every stage of this pipeline."""
+        g = self.groups
+        if g.dims.pp == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype, device=g.device)
+        src = dist.get_process_group_ranks(g.pp)[-1]
+        dist.broadcast(tensor.contiguous(), src=src, group=g.pp)
+        return tensor
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _call_loss(loss_fn, mb, output):
+    loss, stats = loss_fn(mb, output)
+    return loss, stats
+
+
+def _wrap_for_training(model, config, optim: OptimSettings):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+        bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    for group in optimizer.param_groups:
+        group["lr"] = optim.lr  # constant LR; megatron's scheduler would otherwise set it per step
+    return ddp, optimizer
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:
+    """Split [B, ...] tensors into micro-batches of equal size (B must divide; callers pad)."""
+    size = next(iter(batch.values())).shape[0]
+    assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+
+
+def cat_stats(stats: list[dict], key: str) -> Optional[torch.Tensor]:
+    if not stats:
+        return None
+    return torch.cat([s[key] for s in stats], dim=0)
+
+
+def all_reduce_sum(values: list[float], group) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+

@@ -1,0 +1,38 @@
+"""Turn per-micro-batch loss stats (last pipeline stage only) into step metrics on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlstack.parallel import ParallelGroups
+
+# `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
+# normalised by the global counts, so their sum over micro-batches and DP ranks is the mini-batch loss.
+_TOKEN_SUMS = ("entropy", "clipfrac", "kl", "approx_kl")
+_LOSSES = ("loss", "pg_loss")
+
+
+def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, prefix: str) -> dict:
+    keys = [f"{prefix}/{k}" for k in _LOSSES] + [f"{prefix}/{k}_sum" for k in _TOKEN_SUMS] + [f"{prefix}/tokens"]
+    local = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    for s in stats:
+        for j, key in enumerate(keys):
+            if key in s:
+                local[j] += float(s[key])
+    local[-1] = 1.0 if stats else 0.0  # does this rank hold stats (last stage)?
+    dist.all_reduce(local, group=groups.world)
+    holders = local[-1].item()
+    if holders == 0:
+        return {}
+    # every TP rank of the last stage holds the same stats: sum over DP only
+    per_dp = local / (holders / groups.dims.dp)
+    out = {}
+    for j, key in enumerate(keys[: len(_LOSSES)]):
+        out[key] = per_dp[j].item() / max(num_updates, 1)
+    tokens = per_dp[len(keys) - 1].item()
+    for j, name in enumerate(_TOKEN_SUMS):
+        value = per_dp[len(_LOSSES) + j].item()
+        if tokens > 0 and value != 0.0:
+            out[f"{prefix}/{name}"] = value / tokens
+    return {k: v for k, v in out.items() if not (k.endswith("pg_loss") and prefix == "critic")}

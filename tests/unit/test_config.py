@@ -1,0 +1,106 @@
+"""Config tree: YAML round trip, overrides, and every error message with its fix."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rlstack.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict, to_yaml
+from rlstack.parallel import ModelShape, ParallelDims, check_layout
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["rollout.n=3", "data.train_files=[a.parquet,b.parquet]"])
+    again = from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg
+    assert cfg.rollout.n == 3 and cfg.data.train_files == ["a.parquet", "b.parquet"]
+
+
+def test_overrides_are_typed():
+    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["algorithm.actor_lr=1e-6", "trainer.total_steps=7",
+                                                    "logging.trackers=[console,tensorboard]", "model.cache_dir=null"])
+    assert cfg.algorithm.actor_lr == 1e-6 and isinstance(cfg.algorithm.actor_lr, float)
+    assert cfg.trainer.total_steps == 7
+    assert cfg.logging.trackers == ["console", "tensorboard"]
+    assert cfg.model.cache_dir is None
+
+
+def test_single_path_becomes_list():
+    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["data.train_files=x.parquet"])
+    assert cfg.data.train_files == ["x.parquet"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.tempreature=1", "did you mean 'rollout.temperature'"),
+    ("algoritm.name=ppo", "did you mean 'algorithm"),
+    ("trainer.total_steps=abc", "'trainer.total_steps' expects int"),
+    ("rollout.temperature=hot", "'rollout.temperature' expects float"),
+    ("algorithm.use_kl_loss=3", "expects bool"),
+    ("rollout.engine=sglang", "choose one of 'hf', 'vllm'"),
+    ("logging.trackers=[console,mlflow]", "unknown tracker 'mlflow'"),
+    ("trainer.total_steps=0", "must be at least 1"),
+    ("rollout.n", "is not key=value"),
+    ("rollout=3", "must be a section"),
+])
+def test_override_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config("yaml_configs/tiny_cpu.yaml", [override])
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="line [23] is not valid YAML"):
+        load_config(_write(tmp_path, "model:\n  path: [unclosed\n"))
+    with pytest.raises(ConfigError, match="no training data"):
+        load_config(_write(tmp_path, "model: {path: tiny}\n"))
+    with pytest.raises(ConfigError, match="need groups: set rollout.n >= 2"):
+        load_config(_write(tmp_path, "data: {synthetic: copy}\nrollout: {n: 1}\n"))
+
+
+def test_parallel_sizes_name_the_fix():
+    with pytest.raises(ValueError, match="not divisible by parallel.tp \\* parallel.pp"):
+        ParallelDims.resolve(2, 2, -1, 6)
+    with pytest.raises(ValueError, match="set parallel.dp=2"):
+        ParallelDims.resolve(1, 1, 4, 2)
+    dims = ParallelDims.resolve(2, 1, -1, 4)
+    assert dims.dp == 2
+    shape = ModelShape(num_layers=30, num_attention_heads=9, num_query_groups=3, vocab_size=49152)
+    with pytest.raises(ValueError, match=r"does not divide the model's 9 attention heads: choose parallel.tp from \[1, 3\]"):
+        ParallelDims.resolve(2, 1, -1, 2).check_model(shape)
+    with pytest.raises(ValueError, match=r"parallel.pp=4 does not divide the model's 30 layers"):
+        ParallelDims.resolve(1, 4, -1, 4).check_model(shape)
+    with pytest.raises(ValueError, match="key/value heads"):
+        ParallelDims.resolve(4, 1, -1, 4).check_model(ModelShape(2, 8, 2, 100))
+
+
+def test_check_layout_batch_divides_dp():
+    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["data.train_batch_size=3"])
+    with pytest.raises(ValueError, match="make it a multiple of 2"):
+        check_layout(cfg, 2)
+
+
+def test_defaults_are_a_valid_tree():
+    assert isinstance(to_dict(ExperimentConfig()), dict)
+
+
+def test_validate_only_cli_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml",
+                           "rollout.tempreature=1", "--validate-only"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
+    assert lines == ["error: unknown config key 'rollout.tempreature': did you mean 'rollout.temperature'?"]
+
+
+def test_import_rlstack_is_light():
+    code = "import sys, rlstack, rlstack.config, rlstack.parallel; " \
+           "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
