@@ -62,7 +62,6 @@ class PromptDataset:
     def __getitem__(self, i: int) -> Prompt:
         return self.prompts[i]
 
-    @property
     def data_sources(self) -> list[str]:
         """Distinct data_source values (sorted): the reward scorers this dataset needs."""
         return sorted({p.data_source for p in self.prompts})
@@ -129,7 +128,7 @@ def _build(rows: list[dict], tokenizer: Any, data_cfg: Any, name: str) -> Prompt
     if dataset.num_dropped:
         logger.warning("%s set: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
                        name, dataset.num_dropped, len(rows), data_cfg.max_prompt_length)
-    logger.info("%s set: %d prompts (%s)", name, len(dataset), ", ".join(dataset.data_sources))
+    logger.info("%s set: %d prompts (%s)", name, len(dataset), ", ".join(dataset.data_sources()))
     return dataset
 
 

@@ -95,7 +95,7 @@ def test_prompts_use_the_chat_template(tok):
     assert (p.index, p.data_source, p.ground_truth) == (1, "openai/gsm8k", "3")
     assert p.extra_info["index"] == 1
     assert tok.decode(p.input_ids).endswith("<|im_start|>assistant\n")
-    assert dataset.data_sources == ["openai/gsm8k"]
+    assert dataset.data_sources() == ["openai/gsm8k"]
 
 
 def test_system_prompt_only_when_rows_have_none(tok):
@@ -146,7 +146,7 @@ def test_build_datasets_synthetic(tok):
     cfg = DataConfig(synthetic="arith", synthetic_train_size=40, synthetic_val_size=10, seed=1)
     train, val = build_datasets(cfg, tok)
     assert (len(train), len(val)) == (40, 10)
-    assert train.data_sources == val.data_sources == ["arith"]
+    assert train.data_sources() == val.data_sources() == ["arith"]
     again, _ = build_datasets(cfg, tok)
     assert [p.input_ids for p in again.prompts] == [p.input_ids for p in train.prompts]
     _, no_val = build_datasets(DataConfig(synthetic="copy", synthetic_train_size=8, synthetic_val_size=0), tok)

@@ -1,0 +1,61 @@
+"""Each megatron-core CPU patch (rlstack/cpu_compat.py) does what its comment says."""
+
+import pytest
+import torch
+
+from rlstack import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="patches apply only without CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    assert cpu_compat.apply()
+    assert cpu_compat.apply()  # idempotent
+
+
+def test_current_device_and_synchronize():
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    torch.cuda.synchronize()  # no-op instead of raising
+
+
+def test_rng_tracker_maps_to_cpu_generator():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("test-rng", 1234)
+    torch.manual_seed(0)
+    outside_before = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("test-rng"):
+        inside = torch.rand(3)
+    outside_after = torch.rand(3)
+    assert torch.equal(outside_before, outside_after)  # fork restores the default stream
+    torch.manual_seed(1234)
+    assert torch.equal(inside, torch.rand(3))  # the tracker stream is the seeded CPU stream
+    tracker.reset()
+
+
+def test_cuda_tensor_factories_land_on_cpu():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils
+
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert clip_grads.torch.tensor([1.0], device="cuda").device.type == "cpu"
+    mask = utils.get_default_causal_mask(4)
+    assert mask.device.type == "cpu" and mask[0, 1] and not mask[1, 0]
+
+
+def test_cuda_type_names_only_inside_wrapped_functions():
+    from megatron.core.optimizer import clip_grads
+
+    p = torch.nn.Parameter(torch.ones(3))
+    assert p.type() == "torch.FloatTensor"
+    p.grad = torch.full((3,), 2.0)
+    # clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor' (clip_grads.py:167)
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(p.grad, torch.full((3,), 0.5), atol=1e-5)
+    assert p.type() == "torch.FloatTensor"
+    assert p.type(torch.float64).dtype == torch.float64
