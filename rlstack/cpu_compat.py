@@ -34,6 +34,7 @@ def apply() -> bool:
     _patch_rng_tracker()
     _patch_cuda_tensor_factories()
     _patch_cuda_type_checks()
+    _patch_tensor_cuda_calls()
     _APPLIED = True
     log.debug("megatron-core CPU patches applied")
     return True
@@ -70,15 +71,17 @@ def _patch_rng_tracker() -> None:
 
 # (d) Literal `device="cuda"` tensor factories: pipeline_parallel/schedules.py:596,983,2138
 #     (total_num_tokens), optimizer/clip_grads.py:90,103,115,174,207, optimizer/optimizer.py:473,481,485,
-#     transformer/utils.py:35 (get_default_causal_mask, used when no attention mask is passed).
+#     transformer/utils.py:35 (get_default_causal_mask, used when no attention mask is passed),
+#     utils.py:1207,1208 (local_multi_tensor_l2_norm/_scale, the grad-norm fallback without Apex/TE).
 #     Those modules see a `torch` whose factories put "cuda" tensors on the CPU.
 def _patch_cuda_tensor_factories() -> None:
+    from megatron.core import utils as core_utils
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
     factories = {name: _on_cpu(getattr(torch, name)) for name in ("zeros", "tensor", "empty", "ones")}
-    for module in (schedules, clip_grads, optimizer, transformer_utils):
+    for module in (schedules, clip_grads, optimizer, transformer_utils, core_utils):
         module.torch = _Proxy(torch, **factories)
 
 
@@ -87,7 +90,7 @@ def _patch_cuda_tensor_factories() -> None:
 #     _build_model_and_main_param_groups), optimizer/optimizer.py:671,690
 #     (Float16OptimizerWithFloat16Params.__init__), optimizer/clip_grads.py:167
 #     (clip_grad_by_total_norm_fp32, also imported by name into optimizer/optimizer.py:50).
-#     Only inside those functions, a CPU tensor's type() answers with the CUDA type name.
+#     Only inside those functions (the "CPU scope"), a CPU tensor's type() answers with the CUDA type name.
 def _patch_cuda_type_checks() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
@@ -97,6 +100,26 @@ def _patch_cuda_type_checks() -> None:
     wrapped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = wrapped
     optimizer.clip_grad_by_total_norm_fp32 = wrapped
+
+
+# (f) `tensor.cuda()` on a tensor that is already where it should be:
+#     models/common/language_module/language_module.py:244 (setup_embeddings_and_output_layer, tied
+#     embeddings at PP > 1, before the first/last-stage all-reduce). Inside that function `.cuda()`
+#     keeps a CPU tensor where it is.
+def _patch_tensor_cuda_calls() -> None:
+    from megatron.core.models.common.language_module import language_module
+
+    torch.Tensor.cuda = _cuda_stays_on_cpu
+    _wrap_method(language_module.LanguageModule, "setup_embeddings_and_output_layer")
+
+
+_ORIGINAL_CUDA = torch.Tensor.cuda
+
+
+def _cuda_stays_on_cpu(self, *args, **kwargs):
+    if _CUDA_TYPE_DEPTH > 0:
+        return self
+    return _ORIGINAL_CUDA(self, *args, **kwargs)
 
 
 class _Proxy(types.ModuleType):

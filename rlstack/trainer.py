@@ -43,6 +43,8 @@ class Trainer:
                                      shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
         self.scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
         self.scorer.check_sources(self.train_set.data_sources())
+        if self.val_set is not None:
+            self.scorer.check_sources(self.val_set.data_sources())
         self._build_models()
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl, cfg.algorithm.kl_coef,
                                            cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)

@@ -9,11 +9,12 @@ A rank that raises fails the test with that rank's traceback; a hung world is ki
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
 
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
 
 def free_port() -> int:
@@ -33,7 +34,9 @@ def _entry(fn, rank, world_size, port, results, args, env):
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", fn(*args)))
+        # plain pickle bytes: torch's queue pickler would pass tensors through shared memory that
+        # vanishes when this process exits before the parent reads them
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report every failure, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -68,7 +71,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dic
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
-            by_rank[rank] = value
+            by_rank[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

@@ -59,3 +59,12 @@ def test_cuda_type_names_only_inside_wrapped_functions():
     assert torch.allclose(p.grad, torch.full((3,), 0.5), atol=1e-5)
     assert p.type() == "torch.FloatTensor"
     assert p.type(torch.float64).dtype == torch.float64
+
+
+def test_tensor_cuda_only_inside_cpu_scope():
+    from rlstack.cpu_compat import _with_cuda_type_names
+
+    t = torch.ones(2)
+    assert _with_cuda_type_names(lambda: t.cuda())() is t
+    with pytest.raises((AssertionError, RuntimeError)):
+        t.cuda()

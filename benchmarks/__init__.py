@@ -1,0 +1,1 @@
+"""Benchmark suite: `python benchmarks/run.py --config CONFIG` (or `make bench`). See docs/benchmarks.md."""

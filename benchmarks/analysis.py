@@ -1,0 +1,210 @@
+"""From the raw measurements of one benchmark run to the figures of the table (pure Python).
+
+`derive(results)` reads the dict that run.py assembles (setup, model, trainer steps, stages,
+ceilings, trl; any part may hold {"error": ...} or {"skipped": ...}) and returns the figures, each as
+a `Stat` dict (median, min, max, n) where it has repetitions, with fractions of the machine's
+ceilings, the FLOP floor of a step, the TRL ratios and the project's targets.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
+
+STAGE_KEYS = ("timing/sync_s", "timing/rollout_s", "timing/score_s", "timing/update_s")
+TRAINER_KEYS = ("timing/step_s", *STAGE_KEYS, "timing/actor_update_s", "timing/critic_update_s",
+                "throughput/rollout_tok_s", "throughput/actor_tok_s", "throughput/critic_tok_s",
+                "sync/seconds", "sync/bytes", "sync/peak_extra_bytes", "response/length_mean",
+                "mem/rss_peak_gib", "mem/gpu_peak_gib", "reward/mean")
+# Targets from the project guide: reported next to the measurement, never asserted.
+TARGETS = {
+    "step_time_vs_trl": ("<=", 0.6, "GRPO step time / TRL's"),
+    "step_floor_fraction": (">=", 0.7, "FLOP-floor time / step time"),
+    "peak_memory_vs_trl": ("<=", 0.5, "peak memory, all ranks / TRL's"),
+    "rollout_decode_fraction": (">=", 0.6, "rollout tokens/s / decode ceiling"),
+    "sync_vs_memcpy": ("<=", 3.0, "sync time / memcpy time of its bytes"),
+}
+
+
+def stat(values: list[float]) -> Optional[dict]:
+    """Median and spread of repeated measurements (None when there are none)."""
+    values = [float(v) for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def scaled(s: Optional[dict], factor: float) -> Optional[dict]:
+    if s is None:
+        return None
+    return {**s, "median": s["median"] * factor, "min": s["min"] * factor, "max": s["max"] * factor}
+
+
+def over(numerator: float, s: Optional[dict]) -> Optional[dict]:
+    """numerator / each value of a stat (min and max swap places)."""
+    if s is None:
+        return None
+    return {"median": numerator / s["median"], "min": numerator / s["max"], "max": numerator / s["min"],
+            "n": s["n"]}
+
+
+def _ok(part) -> bool:
+    return isinstance(part, dict) and "error" not in part and "skipped" not in part
+
+
+def measured_steps(rows: list[dict], warmup: int) -> list[dict]:
+    """Training-step rows of metrics.jsonl (validation-only rows have no step time), warm-up dropped."""
+    steps = [r for r in rows if "timing/step_s" in r]
+    return steps[warmup:]
+
+
+def trainer_figures(results: dict) -> dict:
+    tr = results.get("trainer", {})
+    if not _ok(tr):
+        return {}
+    rows = measured_steps(tr.get("steps", []), results["setup"].get("warmup_steps", 1))
+    out = {k: stat([r[k] for r in rows if k in r]) for k in TRAINER_KEYS}
+    other = [r["timing/step_s"] - sum(r.get(k, 0.0) for k in STAGE_KEYS) for r in rows]
+    out["timing/other_s"] = stat(other)
+    gen = [r["throughput/rollout_tok_s"] * r["timing/rollout_s"] for r in rows if "throughput/rollout_tok_s" in r]
+    out["step/gen_tokens"] = stat(gen)
+    out["step/gen_tok_s"] = stat([g / r["timing/step_s"] for g, r in zip(gen, rows)])
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def step_shape(results: dict, figures: dict) -> Optional[StepShape]:
+    s, st = results["setup"], results.get("stages", {})
+    prompt_len = st.get("prompt_len_mean") if _ok(st) else None
+    response = figures.get("response/length_mean")
+    response_len = response["median"] if response else (st.get("response_len_mean") if _ok(st) else None)
+    if prompt_len is None or response_len is None:
+        return None
+    return StepShape(num_prompts=s["prompts"], samples_per_prompt=s["n"], prompt_len=prompt_len,
+                     response_len=response_len, ppo_epochs=s.get("ppo_epochs", 1),
+                     ref_forward=s.get("reference", True), old_logprob_forward=True,
+                     critic=s.get("algorithm") == "ppo")
+
+
+def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], figures: dict) -> dict:
+    """Each throughput as a fraction of the machine's ceiling at the model's shapes."""
+    c = results.get("ceilings", {})
+    if not _ok(c) or shape is None:
+        return {}
+    train_rate, decode_rate = c["train_flops_per_s_total"], c["decode_flops_per_s_total"]
+    seq = shape.seq_len
+    decode_ceiling = decode_rate / decode_flops_per_token(dims, shape.prompt_len + shape.response_len / 2)
+    out = {"ceiling/decode_tok_s": decode_ceiling,
+           "ceiling/actor_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params),
+           "ceiling/critic_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params),
+           "ceiling/actor_train_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params, train=True),
+           "ceiling/critic_train_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params,
+                                                                       train=True)}
+    st = results.get("stages", {})
+    if _ok(st):
+        for kind, r in st.get("rollout", {}).items():
+            if "tok_s" in r:
+                out[f"fraction/rollout_{kind}"] = scaled(stat(r["tok_s"]), 1 / decode_ceiling)
+        for role in ("actor_fwd", "critic_fwd"):
+            if role in st:
+                out[f"fraction/{role}"] = scaled(stat(st[role]["tok_s"]), 1 / out[f"ceiling/{role}_tok_s"])
+    for role in ("actor", "critic"):
+        if f"throughput/{role}_tok_s" in figures:
+            out[f"fraction/{role}_train"] = scaled(figures[f"throughput/{role}_tok_s"],
+                                                   1 / out[f"ceiling/{role}_train_tok_s"])
+    if "throughput/rollout_tok_s" in figures:
+        out["fraction/rollout_in_step"] = scaled(figures["throughput/rollout_tok_s"], 1 / decode_ceiling)
+    out.update(_sync_figures(c, results))
+    return out
+
+
+def _sync_figures(c: dict, results: dict) -> dict:
+    """Sync bytes/s over memcpy bytes/s, per rank (sync/* are rank 0's; ranks copy at the same time)."""
+    tr = results.get("trainer", {})
+    rows = measured_steps(tr.get("steps", []), results["setup"].get("warmup_steps", 1)) if _ok(tr) else []
+    rows = [r for r in rows if r.get("sync/seconds", 0) > 0 and r.get("sync/bytes", 0) > 0]
+    if not rows:
+        return {}
+    memcpy = c["memcpy_bytes_per_s"]
+    return {"fraction/sync_memcpy": stat([r["sync/bytes"] / r["sync/seconds"] / memcpy for r in rows]),
+            "sync/memcpy_s": stat([r["sync/bytes"] / memcpy for r in rows]),
+            "sync/memcpy_multiple": stat([r["sync/seconds"] * memcpy / r["sync/bytes"] for r in rows])}
+
+
+def floor_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], figures: dict) -> dict:
+    """The step's FLOP floor, its time at the ceilings, model FLOPs utilisation."""
+    c = results.get("ceilings", {})
+    if shape is None:
+        return {}
+    flops = step_flops(dims, shape)
+    out = {"floor/flops": flops}
+    if not _ok(c) or "timing/step_s" not in figures:
+        return out
+    train_rate, decode_rate = c["train_flops_per_s_total"], c["decode_flops_per_s_total"]
+    floor_s = flops["generation"] / decode_rate + (flops["total"] - flops["generation"]) / train_rate
+    step = figures["timing/step_s"]
+    out["floor/seconds"] = floor_s
+    out["floor/compute_only_seconds"] = flops["total"] / train_rate
+    out["fraction/step_floor"] = over(floor_s, step)
+    out["fraction/mfu"] = over(flops["total"] / train_rate, step)
+    return out
+
+
+def trl_figures(results: dict) -> dict:
+    trl = results.get("trl", {})
+    if not _ok(trl):
+        return {}
+    s = results["setup"]
+    rows = trl.get("steps", [])[s.get("warmup_steps", 1):]
+    gen = [r.get("trl/completions/mean_length", 0.0) * trl["prompts"] * trl["generations"] for r in rows]
+    out = {"trl/step_s": stat([r["step_s"] for r in rows]),
+           "trl/gen_tokens": stat(gen),
+           "trl/gen_tok_s": stat([g / r["step_s"] for g, r in zip(gen, rows)]),
+           "trl/peak_rss_gib": max(trl.get("memory", {}).get("sum_rss_gib", 0.0), trl.get("peak_rss_gib", 0.0))}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def comparison_figures(figures: dict, results: dict) -> dict:
+    """rlstack / TRL ratios (the same model, task, batch and lengths on the same machine)."""
+    out = {}
+    if "trl/step_s" in figures and "timing/step_s" in figures:
+        out["ratio/step_time"] = figures["timing/step_s"]["median"] / figures["trl/step_s"]["median"]
+    if "trl/gen_tok_s" in figures and "step/gen_tok_s" in figures:
+        out["ratio/gen_tok_s"] = figures["step/gen_tok_s"]["median"] / figures["trl/gen_tok_s"]["median"]
+    mem = results.get("trainer", {}).get("memory", {})
+    if figures.get("trl/peak_rss_gib") and mem.get("sum_rss_gib"):
+        out["ratio/peak_memory"] = mem["sum_rss_gib"] / figures["trl/peak_rss_gib"]
+    return out
+
+
+def target_figures(figures: dict) -> dict:
+    """Each target: the measured value (median), the bound, and whether it is met."""
+    measured = {
+        "step_time_vs_trl": figures.get("ratio/step_time"),
+        "step_floor_fraction": (figures.get("fraction/step_floor") or {}).get("median"),
+        "peak_memory_vs_trl": figures.get("ratio/peak_memory"),
+        "rollout_decode_fraction": (figures.get("fraction/rollout_in_step") or {}).get("median"),
+        "sync_vs_memcpy": (figures.get("sync/memcpy_multiple") or {}).get("median"),
+    }
+    out = {}
+    for name, (op, bound, text) in TARGETS.items():
+        value = measured[name]
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        out[name] = {"value": value, "op": op, "bound": bound, "text": text, "met": met}
+    return out
+
+
+def derive(results: dict) -> dict:
+    dims = ModelDims(**results["model"]["dims"])
+    figures = trainer_figures(results)
+    shape = step_shape(results, figures)
+    figures.update(ceiling_figures(results, dims, shape, figures))
+    figures.update(floor_figures(results, dims, shape, figures))
+    figures.update(trl_figures(results))
+    figures.update(comparison_figures(figures, results))
+    figures["targets"] = target_figures(figures)
+    if shape is not None:
+        figures["shape"] = {"prompt_len": shape.prompt_len, "response_len": shape.response_len,
+                            "sequences": shape.num_sequences, "train_tokens": shape.train_tokens}
+    return figures

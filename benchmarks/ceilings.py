@@ -1,0 +1,187 @@
+"""Machine ceilings at the model's own shapes: matmul FLOP/s and memcpy bytes/s.
+
+The trainer runs `procs` ranks at once with `threads` torch threads each, so the ceilings are measured
+the same way: `procs` worker processes start together (a barrier), each with `threads` threads, each
+timing the same work. Rates are reported per worker (what one rank can reach while its peers run) and
+summed (the machine). On CUDA one process times the device with synchronisation around each block.
+
+    python benchmarks/ceilings.py --hf-dir DIR --train-rows 1024 --decode-rows 16 --procs 2 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.flops import ModelDims  # noqa: E402
+
+MIN_BLOCK_S = 0.05  # each timed block runs at least this long
+BLOCKS = 5  # timed blocks per shape; the median block is kept
+MAX_CALLS_PER_BLOCK = 64
+
+
+def model_shapes(dims: ModelDims, rows: int, tp: int = 1, pp: int = 1) -> list[tuple[int, int, int, int]]:
+    """(m, k, n, count) of one rank's matmuls in one forward over `rows` tokens: layers, then LM head."""
+    layers = dims.layers // pp
+    shapes = [(rows, k, n, layers) for _, k, n in dims.layer_linears(tp)]
+    shapes.append((rows, dims.hidden, dims.vocab // tp, 1))
+    return shapes
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _time_calls(fn, device) -> float:
+    """Seconds per call of fn: calls per block grow until a block lasts MIN_BLOCK_S; median block."""
+    fn()
+    _sync(device)  # warm-up (allocations, kernel selection)
+    calls, t = 1, 0.0
+    while calls < MAX_CALLS_PER_BLOCK:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        t = time.perf_counter() - t0
+        if t >= MIN_BLOCK_S:
+            break
+        calls *= 2
+    blocks = [t / calls]
+    for _ in range(BLOCKS - 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        blocks.append((time.perf_counter() - t0) / calls)
+    return statistics.median(blocks)
+
+
+def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
+    """FLOP/s over the shapes, weighted by count: sum(2*m*k*n*count) / sum(seconds*count)."""
+    import torch
+    import torch.nn.functional as F
+
+    flops = seconds = 0.0
+    per_shape = []
+    for m, k, n, count in shapes:
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        w = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear's layout: x @ w.T
+        t = _time_calls(lambda: F.linear(x, w), device)
+        f = 2.0 * m * k * n
+        per_shape.append({"m": m, "k": k, "n": n, "count": count, "flops_per_s": f / t})
+        flops += f * count
+        seconds += t * count
+        del x, w
+    return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape}
+
+
+def memcpy_rate(nbytes: int, device) -> float:
+    """Bytes copied per second (each byte read once and written once) for one large tensor copy."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = _time_calls(lambda: dst.copy_(src), device)
+    return src.numel() * 4 / t
+
+
+def measure(dims: ModelDims, train_rows: int, decode_rows: int, tp: int, pp: int, dtype_name: str,
+            device_name: str, memcpy_mib: int) -> dict:
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    device = torch.device(device_name)
+    return {
+        "train": matmul_rate(model_shapes(dims, train_rows, tp, pp), dtype, device),
+        "decode": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
+        "memcpy_bytes_per_s": memcpy_rate(memcpy_mib * 2**20, device),
+    }
+
+
+def _worker(barrier, queue, threads: int, kwargs: dict) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    barrier.wait()
+    queue.put(measure(**kwargs))
+
+
+def measure_concurrent(procs: int, threads: int, **kwargs) -> dict:
+    """`procs` workers measured together; returns per-worker medians and their sums."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(barrier, queue, threads, kwargs)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    results = [queue.get() for _ in workers]
+    for w in workers:
+        w.join()
+        if w.exitcode != 0:
+            raise RuntimeError(f"ceiling worker exited with code {w.exitcode}")
+    return combine(results, procs, threads)
+
+
+def combine(results: list[dict], procs: int, threads: int) -> dict:
+    """Per-worker median of each rate, and the machine figure (per worker x procs)."""
+    out = {"procs": procs, "threads_per_proc": threads}
+    for kind in ("train", "decode"):
+        per = statistics.median(r[kind]["flops_per_s"] for r in results)
+        out[f"{kind}_flops_per_s"] = per
+        out[f"{kind}_flops_per_s_total"] = per * procs
+        out[f"{kind}_shapes"] = results[0][kind]["shapes"]
+    per = statistics.median(r["memcpy_bytes_per_s"] for r in results)
+    out["memcpy_bytes_per_s"] = per
+    out["memcpy_bytes_per_s_total"] = per * procs
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (only config.json is read)")
+    p.add_argument("--train-rows", type=int, required=True, help="tokens per training micro-batch per rank")
+    p.add_argument("--decode-rows", type=int, required=True, help="sequences decoded at once per rank")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--procs", type=int, default=1, help="workers at once (the trainer's ranks on this host)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--memcpy-mib", type=int, default=256)
+    p.add_argument("--json", default="", help="write the result here (else print it)")
+    args = p.parse_args(argv)
+    with open(os.path.join(args.hf_dir, "config.json")) as f:
+        dims = ModelDims.from_hf_config(json.load(f))
+    kwargs = dict(dims=dims, train_rows=args.train_rows, decode_rows=args.decode_rows, tp=args.tp, pp=args.pp,
+                  dtype_name=args.dtype, device_name=args.device, memcpy_mib=args.memcpy_mib)
+    if args.device.startswith("cuda") or args.procs == 1:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        # One GPU per rank: each rank has a device of its own, so one measurement stands for every rank.
+        result = combine([measure(**kwargs)], args.procs, args.threads)
+    else:
+        result = measure_concurrent(args.procs, args.threads, **kwargs)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

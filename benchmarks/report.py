@@ -1,0 +1,241 @@
+"""Render a benchmark run: the Markdown table, the JSON, the PNG chart, and the README's latest table.
+
+`render_markdown(results, figures)` is pure (tested); `write_chart` needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+README_START, README_END = "<!-- bench:cpu:start -->", "<!-- bench:cpu:end -->"
+STAGES = (("timing/sync_s", "sync"), ("timing/rollout_s", "rollout"), ("timing/score_s", "score"),
+          ("timing/update_s", "update"), ("timing/other_s", "other"))
+
+
+# ---------------------------------------------------------------- number formats
+
+def fmt_num(x: Optional[float], unit: str = "", digits: int = 3) -> str:
+    """3 significant digits with an SI prefix: 1.23 k, 45.6 M, 789 G."""
+    if x is None:
+        return "-"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.{digits}g} {prefix}{unit}".rstrip()
+    return f"{x:.{digits}g} {unit}".rstrip()
+
+
+def fmt_pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_stat(s: Optional[dict], unit: str = "", scale: float = 1.0) -> tuple[str, str]:
+    """(median, 'min-max (n)') of a stat."""
+    if not s:
+        return "-", "-"
+    spread = f"{fmt_num(s['min'] * scale)}–{fmt_num(s['max'] * scale)} (n={s['n']})"
+    return fmt_num(s["median"] * scale, unit), spread
+
+
+def fmt_gib(x: Optional[float]) -> str:
+    return "-" if not x else f"{x:.2f} GiB"
+
+
+# ---------------------------------------------------------------- tables
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _frac(figures: dict, key: str) -> str:
+    s = figures.get(key)
+    return "-" if not s else f"{fmt_pct(s['median'])} ({fmt_pct(s['min'])}–{fmt_pct(s['max'])})"
+
+
+def main_table(results: dict, f: dict) -> list[str]:
+    lines = [_row("figure", "median", "spread: min–max (n)", "ceiling", "share of ceiling"),
+             _row(*["---"] * 5)]
+    floor = f.get("floor/seconds")
+    lines.append(_row("**PPO/GRPO step time**", *fmt_stat(f.get("timing/step_s"), "s"),
+                      f"FLOP floor {fmt_num(floor, 's')}" if floor else "-", _frac(f, "fraction/step_floor")))
+    for key, name in STAGES:
+        lines.append(_row(f"&nbsp;&nbsp;{name}", *fmt_stat(f.get(key), "s"), "", ""))
+    lines.append(_row("model FLOPs utilisation of the step", "", "", "matmul FLOP/s at model shapes",
+                      _frac(f, "fraction/mfu")))
+    stages = results.get("stages", {})
+    for kind, r in (stages.get("rollout", {}) if isinstance(stages, dict) else {}).items():
+        if "tok_s" in r:
+            lines.append(_row(f"rollout tokens/s, {kind} engine (micro-bench)", *fmt_stat(_s(r["tok_s"]), "tok/s"),
+                              fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"), _frac(f, f"fraction/rollout_{kind}")))
+        else:
+            lines.append(_row(f"rollout tokens/s, {kind} engine", "skipped", r.get("skipped", r.get("error", "")),
+                              "", ""))
+    lines.append(_row(f"rollout tokens/s in the step ({results['setup'].get('engine', '?')})",
+                      *fmt_stat(f.get("throughput/rollout_tok_s"), "tok/s"),
+                      fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"), _frac(f, "fraction/rollout_in_step")))
+    for role, name in (("actor_fwd", "actor forward"), ("critic_fwd", "critic forward")):
+        if isinstance(stages, dict) and role in stages:
+            lines.append(_row(f"{name} tokens/s (micro-bench)", *fmt_stat(_s(stages[role]["tok_s"]), "tok/s"),
+                              fmt_num(f.get(f"ceiling/{role}_tok_s"), "tok/s"), _frac(f, f"fraction/{role}")))
+    for role in ("actor", "critic"):
+        if f"throughput/{role}_tok_s" in f:
+            lines.append(_row(f"{role} training tokens/s (fwd+bwd+step)",
+                              *fmt_stat(f.get(f"throughput/{role}_tok_s"), "tok/s"),
+                              fmt_num(f.get(f"ceiling/{role}_train_tok_s"), "tok/s"), _frac(f, f"fraction/{role}_train")))
+    lines.append(_row("weight sync seconds (rank 0)", *fmt_stat(f.get("sync/seconds"), "s"),
+                      f"memcpy {fmt_stat(f.get('sync/memcpy_s'), 's')[0]}", _frac(f, "fraction/sync_memcpy")))
+    lines.append(_row("weight sync bytes (rank 0)", *fmt_stat(f.get("sync/bytes"), "B"), "", ""))
+    lines.append(_row("weight sync peak extra memory", *fmt_stat(f.get("sync/peak_extra_bytes"), "B"), "", ""))
+    lines += _memory_rows(results, f)
+    return lines
+
+
+def _s(values: list[float]) -> Optional[dict]:
+    from benchmarks.analysis import stat
+
+    return stat(values)
+
+
+def _memory_rows(results: dict, f: dict) -> list[str]:
+    mem = results.get("trainer", {}).get("memory", {})
+    per_rank = ", ".join(fmt_gib(x) for x in mem.get("per_rank_rss_gib", []))
+    rows = [_row("peak memory per rank (RSS)", per_rank or "-", "", "", ""),
+            _row("peak memory, all ranks at once (RSS sum; PSS sum)",
+                 fmt_gib(mem.get("sum_rss_gib")), f"PSS {fmt_gib(mem.get('sum_pss_gib'))}", "", "")]
+    if f.get("mem/gpu_peak_gib"):
+        rows.append(_row("peak GPU memory allocated (rank 0)", *fmt_stat(f["mem/gpu_peak_gib"], "GiB"), "", ""))
+    return rows
+
+
+def trl_table(results: dict, f: dict) -> list[str]:
+    trl = results.get("trl", {})
+    if "steps" not in trl:
+        reason = trl.get("skipped") or trl.get("error") or "not run"
+        return [f"TRL comparison skipped: {reason}"]
+    mem = results.get("trainer", {}).get("memory", {})
+    name = f"TRL {trl.get('trl_version', '?')} GRPOTrainer"
+    lines = [_row("same model, task, batch, lengths", "rlstack", name, "rlstack / TRL"), _row(*["---"] * 4),
+             _row("step time", fmt_stat(f.get("timing/step_s"), "s")[0], fmt_stat(f.get("trl/step_s"), "s")[0],
+                  _ratio(f.get("ratio/step_time"))),
+             _row("generated tokens / step time", fmt_stat(f.get("step/gen_tok_s"), "tok/s")[0],
+                  fmt_stat(f.get("trl/gen_tok_s"), "tok/s")[0], _ratio(f.get("ratio/gen_tok_s"))),
+             _row("peak memory, all processes (RSS)", fmt_gib(mem.get("sum_rss_gib")),
+                  fmt_gib(f.get("trl/peak_rss_gib")), _ratio(f.get("ratio/peak_memory")))]
+    return lines
+
+
+def _ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def targets_table(f: dict) -> list[str]:
+    lines = [_row("target (project guide)", "measured", "bound", "met"), _row(*["---"] * 4)]
+    for t in f.get("targets", {}).values():
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
+        value = "-" if t["value"] is None else f"{t['value']:.3g}"
+        lines.append(_row(t["text"], value, f"{t['op']} {t['bound']}", met))
+    return lines
+
+
+def ceilings_table(results: dict) -> list[str]:
+    c = results.get("ceilings", {})
+    if "train_flops_per_s" not in c:
+        return [f"Ceilings not measured: {c.get('error', 'not run')}"]
+    per, tot = "per rank", f"machine ({c['procs']} x {c['threads_per_proc']} threads)"
+    return [_row("ceiling", per, tot), _row("---", "---", "---"),
+            _row("matmul at training shapes", fmt_num(c["train_flops_per_s"], "FLOP/s"),
+                 fmt_num(c["train_flops_per_s_total"], "FLOP/s")),
+            _row("matmul at decode shapes", fmt_num(c["decode_flops_per_s"], "FLOP/s"),
+                 fmt_num(c["decode_flops_per_s_total"], "FLOP/s")),
+            _row("memcpy (bytes copied)", fmt_num(c["memcpy_bytes_per_s"], "B/s"),
+                 fmt_num(c["memcpy_bytes_per_s_total"], "B/s"))]
+
+
+def floor_table(f: dict) -> list[str]:
+    flops = f.get("floor/flops")
+    if not flops:
+        return ["FLOP floor not computed (no prompt/response lengths)."]
+    lines = [_row("pass", "FLOPs"), _row("---", "---")]
+    lines += [_row(k, fmt_num(v, "FLOP")) for k, v in flops.items()]
+    return lines
+
+
+def render_markdown(results: dict, f: dict) -> str:
+    s = results["setup"]
+    out = [f"# rlstack benchmark: {results['config_name']} ({results['date']})", "",
+           f"{s['model_name']}, {s['algorithm'].upper()}, {s['prompts']} prompts x {s['n']} samples x "
+           f"{s['max_new_tokens']} max new tokens, {s['dtype']}, {s['nproc']} ranks ({s['layout']}) x "
+           f"{s['threads_per_rank']} threads, rollout engine `{s['engine']}`. {s['steps']} steps, the first "
+           f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed repetitions.",
+           "", *main_table(results, f), "", "## Side by side with TRL", "", *trl_table(results, f), "",
+           "## Targets", "", *targets_table(f), "", "## Machine ceilings", "", *ceilings_table(results), "",
+           "## FLOP floor of one step", "", *floor_table(f), "", "## Machine and versions", ""]
+    out += [f"- {k}: {v}" for k, v in {**results["machine"], **results["versions"]}.items()]
+    out += ["", f"Command: `{results['command']}`", ""]
+    return "\n".join(out)
+
+
+def readme_section(results: dict, f: dict, results_dir: str) -> str:
+    """The latest CPU table for a README: main figures, TRL ratios, targets, and links to the full run.
+
+    results_dir: the results folder relative to the README ("results" from benchmarks/README.md).
+    """
+    s = results["setup"]
+    name = f"{results['config_name']}-{results['date']}"
+    return "\n".join([
+        f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "
+        f"({results['machine'].get('logical cores', '?')} cores), {results['date']}; {s['model_name']}, "
+        f"{s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, {s['nproc']} ranks. "
+        f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
+        f"chart: [{name}.png]({results_dir}/{name}.png).",
+        "", *main_table(results, f), "", *trl_table(results, f), "", *targets_table(f)])
+
+
+def write_json(results: dict, figures: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump({"results": results, "figures": figures}, fh, indent=1, default=str)
+
+
+def update_readme(path: str, table_md: str) -> bool:
+    """Replace the text between the bench markers of a README; False when the markers are absent."""
+    if not os.path.isfile(path):
+        return False
+    with open(path) as fh:
+        text = fh.read()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(path, "w") as fh:
+        fh.write(f"{head}{README_START}\n{table_md.strip()}\n{README_END}{tail}")
+    return True
+
+
+def write_chart(results: dict, f: dict, path: str) -> None:
+    """Left: step time by stage (rlstack) next to TRL's step. Right: shares of the machine's ceilings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = 0.0
+    for key, name in STAGES:
+        value = (f.get(key) or {}).get("median", 0.0)
+        left.bar("rlstack", value, bottom=bottom, label=name)
+        bottom += max(value, 0.0)
+    if f.get("trl/step_s"):
+        left.bar(f"TRL {results.get('trl', {}).get('trl_version', '')}", f["trl/step_s"]["median"], color="grey",
+                 label="TRL step")
+    left.set_ylabel("seconds per step (median)")
+    left.set_title("step time")
+    left.legend(fontsize=8)
+    names = [k for k in sorted(f) if k.startswith("fraction/") and isinstance(f[k], dict)]
+    right.barh([n.split("/", 1)[1] for n in names], [100 * f[n]["median"] for n in names], color="tab:blue")
+    right.set_xlabel("% of ceiling (median)")
+    right.set_title("share of the machine's ceilings")
+    fig.suptitle(f"{results['config_name']} {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

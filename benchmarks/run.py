@@ -1,0 +1,207 @@
+"""Benchmark one config: the real trainer, stage micro-benchmarks, machine ceilings, TRL side by side.
+
+    .venv/bin/python benchmarks/run.py --config yaml_configs/smollm2_arith_cpu.yaml   # = make bench
+
+1. trainer: `torchrun -m rlstack.train --config CONFIG --profile trainer.total_steps=K`, its
+   metrics.jsonl read back (the first step is warm-up), the RSS of every rank sampled meanwhile;
+2. stages: rollout tokens/s per engine (hf, vllm where installed), actor and critic forward
+   tokens/s, on the same layout and batch (benchmarks/stages.py under torchrun);
+3. ceilings: matmul FLOP/s at the model's training and decode shapes, memcpy bytes/s, measured with
+   the trainer's ranks x threads (benchmarks/ceilings.py);
+4. TRL: GRPOTrainer on the same model, task, batch and lengths, in `.venv-bench` (created here
+   when missing; the comparison is skipped with a clear line when it cannot be installed).
+Writes benchmarks/results/<config>-<date>.{md,json,png}; on CPU also the table in benchmarks/README.md
+(and in README.md between the bench markers, where present). docs/benchmarks.md explains each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import environment, report  # noqa: E402
+from benchmarks.analysis import derive  # noqa: E402
+from benchmarks.procs import run_sampled, tail  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, passed to the trainer and the stages")
+    p.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs present, else 2)")
+    p.add_argument("--steps", type=int, default=4, help="trainer steps; the first is warm-up")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions of each micro-benchmark")
+    p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
+    p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
+    p.add_argument("--bench-venv", default=os.path.join(ROOT, ".venv-bench"), help="TRL's environment")
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--work-dir", default=os.path.join(ROOT, "outputs", "bench"), help="logs and run outputs")
+    p.add_argument("--timeout-min", type=float, default=60, help="limit for each part")
+    return p.parse_args(argv)
+
+
+def echo_line(line: str) -> bool:
+    return any(w in line for w in ("step_s=", "profile:", "Traceback", "Error", "error:"))
+
+
+def torchrun_cmd(nproc: int) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_trainer(args, setup: dict, env: dict) -> dict:
+    out = os.path.join(args.work_dir, setup["config_name"], "trainer")
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start clean
+    cmd = torchrun_cmd(setup["nproc"]) + [
+        "-m", "rlstack.train", "--config", args.config, "--profile", f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={out}", "trainer.val_before_train=false", "trainer.val_after_train=false",
+        "trainer.val_every=0", "checkpoint.save_every=0", "checkpoint.resume=never", *args.overrides]
+    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=True, timeout_s=args.timeout_min * 60,
+                    env=env, cwd=ROOT, echo=echo_line)
+    result = {"memory": r.memory.as_dict(), "wall_s": r.wall_s, "log": r.log_path, "command": " ".join(cmd)}
+    path = os.path.join(out, "metrics.jsonl")
+    if r.returncode != 0 or not os.path.isfile(path):
+        return {**result, "error": _failure("trainer", r)}
+    with open(path) as f:
+        result["steps"] = [json.loads(line) for line in f if line.strip()]
+    return result
+
+
+def run_stages(args, setup: dict, env: dict) -> dict:
+    out = os.path.join(args.work_dir, setup["config_name"], "stages")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "stages.json")
+    cmd = torchrun_cmd(setup["nproc"]) + [
+        os.path.join(ROOT, "benchmarks", "stages.py"), "--config", args.config, "--json", path,
+        "--engines", args.engines, "--reps", str(args.reps), "--warmup", "1",
+        f"trainer.output_dir={out}", *args.overrides]
+    if os.path.isfile(path):
+        os.remove(path)
+    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=True, timeout_s=args.timeout_min * 60,
+                    env=env, cwd=ROOT, echo=echo_line)
+    if r.returncode != 0 or not os.path.isfile(path):
+        return {"error": _failure("stage micro-benchmarks", r)}
+    with open(path) as f:
+        return {**json.load(f), "memory": r.memory.as_dict()}
+
+
+def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
+    out = os.path.join(args.work_dir, setup["config_name"], "ceilings")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "ceilings.json")
+    train_rows = stages.get("train_rows_per_rank") or setup["micro_batch_size"] * (
+        setup["max_prompt_length"] + setup["max_new_tokens"])
+    hf = stages.get("rollout", {}).get("hf", {})
+    decode_rows = hf.get("decode_rows_per_rank") or setup["decode_rows_per_rank"]
+    on_gpu = setup["device"] == "cuda"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ceilings.py"), "--hf-dir", setup["hf_dir"],
+           "--train-rows", str(train_rows), "--decode-rows", str(decode_rows), "--tp", str(setup["tp"]),
+           "--pp", str(setup["pp"]), "--procs", str(setup["nproc"]), "--threads", str(setup["threads_per_rank"]),
+           "--dtype", setup["dtype"], "--device", "cuda" if on_gpu else "cpu",
+           "--memcpy-mib", "2048" if on_gpu else "256", "--json", path]
+    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60,
+                    env=env, cwd=ROOT)
+    if r.returncode != 0 or not os.path.isfile(path):
+        return {"error": _failure("ceilings", r)}
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_trl(args, setup: dict, cfg) -> dict:
+    python, reason = environment.ensure_bench_venv(args.bench_venv)
+    if python is None:
+        print(f"TRL comparison skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    if cfg.algorithm.name != "grpo" or not cfg.data.synthetic:
+        reason = "the TRL comparison runs GRPO on a synthetic task: this config is not one"
+        print(f"TRL comparison skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    out = os.path.join(args.work_dir, setup["config_name"], "trl")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    path = os.path.join(out, "trl.json")
+    a, d = cfg.algorithm, cfg.data
+    cmd = [python, os.path.join(ROOT, "benchmarks", "trl_grpo.py"), "--hf-dir", setup["hf_dir"],
+           "--task", d.synthetic, "--train-size", str(d.synthetic_train_size),
+           "--max-operand", str(d.synthetic_max_operand), "--data-seed", str(d.seed),
+           "--prompts", str(d.train_batch_size), "--generations", str(cfg.rollout.n),
+           "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size),
+           "--temperature", str(cfg.rollout.temperature), "--beta", str(a.kl_loss_coef if a.use_kl_loss else 0.0),
+           "--lr", str(a.actor_lr), "--steps", str(args.trl_steps), "--dtype", setup["dtype"],
+           "--threads", str(setup["nproc"] * setup["threads_per_rank"]), "--output-dir", out, "--json", path]
+    if cfg.model.gradient_checkpointing:
+        cmd.append("--gradient-checkpointing")
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"])}
+    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60,
+                    env=env, cwd=ROOT, echo=lambda line: "'step_time'" in line or "Error" in line)
+    if r.returncode != 0 or not os.path.isfile(path):
+        return {"error": _failure("TRL", r)}
+    with open(path) as f:
+        return {**json.load(f), "memory": r.memory.as_dict()}
+
+
+def _failure(part: str, r) -> str:
+    what = f"timed out after {r.wall_s:.0f} s" if r.timed_out else f"exit code {r.returncode}"
+    print(f"{part} failed ({what}); log {r.log_path}:\n{tail(r.log_path)}", flush=True)
+    return f"{part} {what} (log {os.path.relpath(r.log_path, ROOT)})"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from rlstack.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    setup = environment.describe_setup(args, cfg)
+    skip = set(filter(None, args.skip.split(",")))
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup["threads_per_rank"]), "TOKENIZERS_PARALLELISM": "false"}
+    results = {"config": args.config, "config_name": setup["config_name"], "date": datetime.date.today().isoformat(),
+               "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/run.py",
+                                    *(argv if argv is not None else sys.argv[1:])]),
+               "setup": setup, "model": environment.model_info(setup["hf_dir"])}
+    parts = (("trainer", lambda: run_trainer(args, setup, env)),
+             ("stages", lambda: run_stages(args, setup, env)),
+             ("ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)),
+             ("trl", lambda: run_trl(args, setup, cfg)))
+    for name, fn in parts:
+        if name in skip:
+            results[name] = {"skipped": "--skip " + name}
+            continue
+        print(f"== {name}", flush=True)
+        results[name] = fn()
+    results["machine"], results["versions"] = environment.machine(), environment.versions(results)
+    return publish(results, args.out_dir)
+
+
+def publish(results: dict, out_dir: str) -> int:
+    figures = derive(results)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{results['config_name']}-{results['date']}")
+    text = report.render_markdown(results, figures)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    report.write_json(results, figures, stem + ".json")
+    try:
+        report.write_chart(results, figures, stem + ".png")
+    except Exception as e:  # a chart is a convenience: the table and JSON are already written
+        print(f"chart not written: {type(e).__name__}: {e}", flush=True)
+    default_dir = os.path.abspath(out_dir) == os.path.join(ROOT, "benchmarks", "results")
+    if results["setup"]["device"] == "cpu" and default_dir:  # the READMEs link into the default folder
+        for readme, rel in (("benchmarks/README.md", "results"), ("README.md", "benchmarks/results")):
+            report.update_readme(os.path.join(ROOT, readme), report.readme_section(results, figures, rel))
+    print(text, flush=True)
+    print(f"wrote {stem}.md, .json, .png", flush=True)
+    failed = [k for k in ("trainer", "stages", "ceilings", "trl") if "error" in results.get(k, {})]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

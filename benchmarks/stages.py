@@ -1,0 +1,189 @@
+"""Stage micro-benchmarks under torchrun, on the same layout, model and batch as the trainer.
+
+Per rollout engine (hf, and vllm where it is installed): generate this step's prompts x n samples,
+one warm-up then `reps` timed repetitions (barrier before and after each, so a repetition lasts as
+long as the slowest rank). Then, on the batch the first engine generated: the actor's forward
+(log-probs, as the trainer's old/ref log-prob passes) and the critic's forward (values).
+Rank 0 writes one JSON file. Tokens are counted over all ranks as the trainer counts them: generated
+tokens for rollout, prompt + response tokens (no padding) for forwards.
+
+    torchrun --nproc_per_node=2 benchmarks/stages.py --config CFG --json out.json [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--engines", default="hf,vllm", help="engines to time; ones not installed are skipped")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--skip-forward", action="store_true", help="rollout only")
+    p.add_argument("--json", required=True)
+    return p.parse_args(argv)
+
+
+def _barrier(g) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if g.device.type == "cuda":
+        torch.cuda.synchronize(g.device)
+    dist.barrier(group=g.world)
+
+
+def timed(fn, g, reps: int, warmup: int) -> tuple[list[float], object]:
+    """Seconds of each timed repetition (slowest rank), and the last result of fn."""
+    out, seconds = None, []
+    for i in range(warmup + reps):
+        _barrier(g)
+        t0 = time.perf_counter()
+        out = fn()
+        _barrier(g)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - t0)
+    return seconds, out
+
+
+def engine_available(kind: str) -> bool:
+    return kind == "hf" or importlib.util.find_spec(kind) is not None
+
+
+def bench_engine(kind: str, cfg, hf_dir: str, g, tokenizer, prompts: list, args) -> tuple[dict, list]:
+    """Rollout tokens/s of one engine; also returns this DP rank's generations (prompt-major)."""
+    from rlstack.rollout.base import SamplingParams, build_engine
+    from rlstack.workers.batch import gather_objects, split_for_rank
+    from rlstack.workers.megatron_role import all_reduce_sum
+
+    r = cfg.rollout
+    t0 = time.perf_counter()
+    engine = build_engine(dataclasses.replace(r, engine=kind), hf_dir, g, tokenizer.eos_token_id,
+                          tokenizer.pad_token_id)
+    start_s = time.perf_counter() - t0
+    mp_size, mp_rank = g.dims.tp * g.dims.pp, _mp_rank(g)
+    mine = split_for_rank(list(range(len(prompts))), mp_rank, mp_size)
+    params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=r.max_new_tokens, seed=r.seed)
+    counts = []
+
+    def run():
+        gens = engine.generate([prompts[i].input_ids for i in mine], params) if mine else []
+        counts.append(all_reduce_sum([float(sum(len(x.response_ids) for x in gens))], g.world)[0])
+        return gens
+
+    seconds, gens = timed(run, g, args.reps, args.warmup)
+    tokens = counts[args.warmup:]
+    rows = gather_objects([(mine[x.prompt_index], x.response_ids) for x in gens], g.mp, mp_size)
+    engine.close()  # vLLM's close leaves the training world alone (rlstack.rollout.vllm_engine)
+    return {"start_s": start_s, "seconds": seconds, "tokens": tokens,
+            "tok_s": [t / s for t, s in zip(tokens, seconds)],
+            "decode_rows_per_rank": min(r.micro_batch_size, len(mine) * r.n)}, rows
+
+
+def _mp_rank(g) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group=g.mp) if g.dims.tp * g.dims.pp > 1 else 0
+
+
+def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, args) -> dict:
+    """Actor log-prob forward and critic value forward over this DP rank's generated batch."""
+    import torch
+
+    from rlstack.trainer import DTYPES
+    from rlstack.workers.actor import compute_logprobs
+    from rlstack.workers.batch import make_batch
+    from rlstack.workers.critic import Critic
+    from rlstack.workers.megatron_role import MegatronRole, all_reduce_sum
+
+    mbs = cfg.algorithm.micro_batch_size
+    prompt_ids = [prompts[i].input_ids for i, _ in rows]
+    response_ids = [resp for _, resp in rows]
+    batch = make_batch(prompt_ids, response_ids, tokenizer.pad_token_id, mbs, g.device)
+    local_tokens = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    tokens = all_reduce_sum([float(local_tokens)], g.dp)[0]
+    dtype = DTYPES[cfg.model.dtype]
+    out = {"tokens": tokens, "padded_seq_len": int(batch["tokens"].shape[1]),
+           "train_rows_per_rank": mbs * int(batch["tokens"].shape[1])}
+    role = MegatronRole(hf_dir, g, dtype)
+    seconds, _ = timed(lambda: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
+    out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
+    del role
+    critic = Critic(MegatronRole(cfg.model.critic_path or hf_dir, g, dtype, value_head=True), cfg.algorithm)
+    seconds, _ = timed(lambda: critic.compute_values(batch, mbs), g, args.reps, args.warmup)
+    out["critic_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
+    del critic
+    if g.device.type == "cuda":
+        out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(g.device) / 2**30
+    return out
+
+
+def run(args) -> dict:
+    import torch
+
+    from megatron_bridge.hf import resolve_model_path
+    from rlstack.config import load_config
+    from rlstack.data.dataset import build_datasets
+    from rlstack.data.sampler import PromptSampler
+    from rlstack.parallel import init_distributed
+    from rlstack.trainer import _load_tokenizer
+
+    cfg = load_config(args.config, args.overrides)
+    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
+    p = cfg.parallel
+    g = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
+                                cache_dir=cfg.model.cache_dir)
+    tokenizer = _load_tokenizer(hf_dir)
+    train_set, _ = build_datasets(cfg.data, tokenizer)
+    sampler = PromptSampler(len(train_set), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                            dp_rank=g.dp_rank, dp_size=g.dims.dp)
+    prompts = [train_set[i] for i in sampler.next_batch()]
+    lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]
+    result = {"threads_per_rank": threads, "world_size": g.dims.world_size, "rollout": {},
+              "prompt_len_mean": statistics.fmean(lengths), "prompts_per_rank": len(prompts)}
+    rows = None
+    for kind in [k for k in args.engines.split(",") if k]:
+        if not engine_available(kind):
+            result["rollout"][kind] = {"skipped": f"{kind} is not installed"}
+            continue
+        result["rollout"][kind], gens = bench_engine(kind, cfg, hf_dir, g, tokenizer, prompts, args)
+        if rows is None:
+            rows = gens
+            result["response_len_mean"] = statistics.fmean(len(r) for _, r in gens) if gens else 0.0
+    if rows and not args.skip_forward:
+        result.update(bench_forwards(cfg, hf_dir, g, tokenizer, prompts, rows, args))
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from rlstack.parallel import destroy_distributed
+
+    try:
+        result = run(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Weight sync: the actor's Megatron TP/PP shards -> the rollout engine's TP layout, in place.
+
+plan -> execute -> transport (STYLE.md 8):
+- `plan_reshard` (pure data, cached per model and pair of layouts): for every rollout TP rank, each
+  engine tensor as `Span`s, runs of rows (or columns) copied from one Megatron TP shard of one
+  pipeline stage. The plan is derived by *tracing* `layouts.megatron_shard` / `layouts.vllm_shard`
+  on index tensors (each HF row/column numbered), so the layouts are declared once, in layouts.py.
+- `WeightSync.sync` moves only the spans each rank's engine needs, bucket by bucket (point-to-point
+  inside the rank's model-parallel group, which holds a whole replica), and writes them straight
+  into engine parameters (`engine.param_targets()`: the hf engine, vLLM on GPU) or stages them and
+  feeds the engine's loader (vLLM on CPU repacks its weights). Everything (names, shapes, dtypes,
+  on every rank) is validated before the first engine tensor is written.
+
+Engine layouts (`engine_kind`): "hf" = HF checkpoint names and shapes (the transformers engine; the
+vLLM loader, where each rollout TP rank fills only the rows its loader narrows to); "vllm" = vLLM's
+parameters (merged `qkv_proj` / `gate_up_proj`, vocabulary padded to 64 and split over rollout TP).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megatron_bridge import layouts
+from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
+
+ENGINE_KINDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class Span:
+    """`length` rows (axis 0) or columns (axis 1) of a Megatron shard copied into an engine tensor."""
+
+    src: Optional[str]  # Megatron parameter name, local to stage `src_pp`; None: zeros (vocab padding)
+    src_tp: Optional[int]  # training TP rank that holds it; None: replicated, read the reader's own TP rank
+    src_pp: int
+    axis: int
+    src_start: int
+    dst_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str  # engine tensor name (HF names; vLLM parameter names for engine_kind "vllm")
+    shape: tuple[int, ...]
+    group: int  # index of the Megatron parameter it comes from; buckets never split a group
+    spans: tuple[Span, ...]
+    complete: bool  # every element is written (False: only the part a TP-sharded loader reads)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    train_tp: int
+    train_pp: int
+    rollout_tp: int
+    engine_kind: str
+    sources: tuple[tuple[int, str, tuple[int, ...]], ...]  # (stage, local Megatron name, shard shape)
+    group_numel: tuple[int, ...]  # elements of each group's full HF tensors (bucket sizing)
+    ranks: tuple[tuple[TensorPlan, ...], ...]  # per rollout TP rank
+
+    def tensors(self, rollout_tp_rank: int) -> tuple[TensorPlan, ...]:
+        return self.ranks[rollout_tp_rank]
+
+
+# ---------------------------------------------------------------------- plan (pure)
+
+@functools.lru_cache(maxsize=64)
+def plan_reshard(args, train_tp: int, train_pp: int, rollout_tp: int, engine_kind: str, te_spec: bool = False,
+                 divisible_by: int = 128) -> ReshardPlan:
+    """Which span of which Megatron shard each rollout TP rank needs, for every engine tensor."""
+    if engine_kind not in ENGINE_KINDS:
+        raise ValueError(f"engine_kind={engine_kind!r} is unknown: use one of {', '.join(ENGINE_KINDS)}")
+    if rollout_tp > 1:
+        layouts.vllm_kv_heads(args, rollout_tp)  # raises naming the fix when heads do not divide
+    maps = [m for m in param_maps(args, te_spec) if m.export]
+    sources, numel, ranks = [], [], [[] for _ in range(rollout_tp)]
+    for group, m in enumerate(maps):
+        stage = owner_stage(m, args, train_pp)
+        local = to_local_name(m.megatron, layer_offset(args, stage, train_pp))
+        axis = 1 if m.transform == "row" else 0
+        ids = _id_tensors(m.hf_shapes, axis)
+        shards = [layouts.megatron_shard(m.transform, ids, t, train_tp, args, divisible_by) for t in range(train_tp)]
+        sources.append((stage, local, _real_shape(tuple(shards[0].shape), m.hf_shapes[0], axis)))
+        numel.append(sum(_numel(s) for s in m.hf_shapes))
+        where = _locate(shards, sum(s[axis] for s in m.hf_shapes))
+        replicated = m.transform == "replicate"
+        for j in range(rollout_tp):
+            for name, dst_ids, shape in _engine_tensors(m, ids, axis, j, rollout_tp, engine_kind, args):
+                spans = _spans(dst_ids, where, local, stage, axis, replicated)
+                ranks[j].append(TensorPlan(name, shape, group, spans, complete=bool((dst_ids >= 0).all())))
+    return ReshardPlan(train_tp, train_pp, rollout_tp, engine_kind, tuple(sources), tuple(numel),
+                       tuple(tuple(r) for r in ranks))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _id_tensors(hf_shapes, axis: int) -> list[torch.Tensor]:
+    """Each HF tensor reduced to its split axis, numbered 1.. across the group (0 marks padding)."""
+    out, base = [], 0
+    for shape in hf_shapes:
+        n = shape[axis]
+        ids = torch.arange(base + 1, base + n + 1, dtype=torch.int64)
+        out.append(ids if len(shape) == 1 else ids.view(n, 1) if axis == 0 else ids.view(1, n))
+        base += n
+    return out
+
+
+def _real_shape(traced: tuple[int, ...], hf_shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """A traced shape ([n, 1] or [1, n]) with the HF tensor's other dimension put back."""
+    if len(hf_shape) == 1:
+        return traced
+    return (traced[0], hf_shape[1]) if axis == 0 else (hf_shape[0], traced[1])
+
+
+def _locate(shards: list[torch.Tensor], num_ids: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """id -> (TP rank, position along the split axis) of the shard holding it."""
+    tp_of = torch.full((num_ids + 1,), -1, dtype=torch.int64)
+    pos_of = torch.full((num_ids + 1,), -1, dtype=torch.int64)
+    for t, shard in enumerate(shards):
+        flat = shard.reshape(-1)
+        real = flat > 0
+        tp_of[flat[real]] = t
+        pos_of[flat[real]] = torch.arange(flat.numel())[real]
+    assert bool((tp_of[1:] >= 0).all()), "a Megatron layout dropped part of an HF tensor"
+    return tp_of, pos_of
+
+
+def _engine_tensors(m, ids, axis: int, j: int, k: int, engine_kind: str, args):
+    """(name, ids along the split axis, shape) of rollout rank j's tensors for one Megatron parameter.
+
+    ids: > 0 the HF element to copy, 0 zero padding, -1 not read by this rank's loader.
+    """
+    if engine_kind == "vllm":
+        shard = layouts.vllm_shard(m.transform, ids, j, k, args)
+        yield _vllm_name(m), shard.reshape(-1), _real_shape(tuple(shard.shape), m.hf_shapes[0], axis)
+        return
+    pieces = layouts.vllm_pieces(m.transform, [tuple(t.shape) for t in ids], j, k, args)
+    for name, full, piece, shape in zip(m.hf, ids, pieces, m.hf_shapes):
+        flat = full.reshape(-1)
+        if piece.dim is not None and (piece.start, piece.stop) != (0, flat.numel()):
+            needed = torch.full_like(flat, -1)
+            needed[piece.start:piece.stop] = flat[piece.start:piece.stop]
+            flat = needed
+        yield name, flat, tuple(shape)
+
+
+def _vllm_name(m) -> str:
+    """vLLM merges q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (vllm/model_executor/models/llama.py)."""
+    if m.transform == "qkv":
+        return m.hf[0].replace(".q_proj.", ".qkv_proj.")
+    if m.transform == "gate_up":
+        return m.hf[0].replace(".gate_proj.", ".gate_up_proj.")
+    return m.hf[0]
+
+
+def _spans(dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replicated: bool) -> tuple[Span, ...]:
+    """Runs of consecutive destination positions fed by consecutive positions of one shard."""
+    tp_of, pos_of = where
+    n = dst_ids.numel()
+    data = dst_ids > 0
+    kind = torch.where(data, 1, torch.where(dst_ids == 0, 0, -1))  # [n]
+    safe = dst_ids.clamp(min=0)
+    tp = torch.where(data, tp_of[safe], -2)
+    pos = torch.where(data, pos_of[safe], 0)
+    brk = torch.ones(n, dtype=torch.bool)
+    brk[1:] = (kind[1:] != kind[:-1]) | (tp[1:] != tp[:-1]) | (data[1:] & (pos[1:] != pos[:-1] + 1))
+    starts = brk.nonzero().squeeze(-1).tolist()
+    spans = []
+    for a, b in zip(starts, starts[1:] + [n]):
+        if kind[a] == 1:
+            spans.append(Span(src, None if replicated else int(tp[a]), stage, axis, int(pos[a]), a, b - a))
+        elif kind[a] == 0:
+            spans.append(Span(None, None, stage, axis, 0, a, b - a))
+    return tuple(spans)
+
+
+def assemble(tplan: TensorPlan, shard: Callable[[int, int, str], torch.Tensor], reader_tp: int,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Build one engine tensor from Megatron shards (`shard(tp, pp, name)`), following its plan."""
+    if out is None:
+        out = torch.zeros(tplan.shape)
+    for s in tplan.spans:
+        dst = out.narrow(s.axis, s.dst_start, s.length)
+        if s.src is None:
+            dst.zero_()
+        else:
+            tp = reader_tp if s.src_tp is None else s.src_tp
+            dst.copy_(shard(tp, s.src_pp, s.src).narrow(s.axis, s.src_start, s.length))
+    return out
+
+
+# ---------------------------------------------------------------------- execute
+
+@dataclass
+class SyncStats:
+    seconds: float = 0.0
+    bytes: int = 0  # bytes written into the engine from Megatron shards (local copies + received)
+    bytes_received: int = 0  # the part that came from other ranks
+    peak_extra_bytes: int = 0  # largest send + receive + staging footprint of one bucket
+
+    def as_metrics(self) -> dict:
+        return {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
+                "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+
+
+@dataclass
+class _Bucket:
+    tensors: list  # indices into this rank's plan tensors
+    local: list  # (tensor index, Span): copies from this rank's own shards, and zero fills
+    recvs: dict  # source rank -> [(tensor index, Span)], in plan order
+    sends: dict  # reader rank -> [(Megatron name, axis, start, length)], in the reader's plan order
+
+
+class WeightSync:
+    """Writes the actor's current weights into `engine` on every rank. All ranks call `sync()` together.
+
+    The schedule (who sends which spans to whom, bucket by bucket) is computed once here.
+    """
+
+    def __init__(self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128):
+        if bucket_mb <= 0:
+            raise ValueError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
+        self.groups, self.engine = groups, engine
+        while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
+            model = model.module
+        self.params = dict(model.named_parameters())
+        te_spec = any(n.endswith("layer_norm_weight") for n in self.params)
+        self.direct = engine.param_targets() is not None
+        kind = "vllm" if self.direct and engine.kind == "vllm" else "hf"
+        self.plan = plan_reshard(args, groups.dims.tp, groups.dims.pp, engine.tp_size, kind, te_spec, divisible_by)
+        self.mine = self.plan.tensors(engine.tp_rank)
+        some = next(iter(self.params.values()))
+        self.dtype, self.device = some.dtype, some.device
+        self.buckets = self._schedule(_gather_layout(groups, engine), int(bucket_mb * (1 << 20)))
+        self.last: Optional[SyncStats] = None
+
+    def _schedule(self, peers: dict, bucket_bytes: int) -> list[_Bucket]:
+        me, table = self.groups.rank, {(dp, tp, pp): r for r, (dp, tp, pp, _) in peers.items()}
+
+        def source(span: Span, reader: int) -> int:
+            dp, tp, _, _ = peers[reader]
+            return table[(dp, tp if span.src_tp is None else span.src_tp, span.src_pp)]
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        of_group, size, index = [], 0, 0
+        for numel in self.plan.group_numel:  # same on every rank: derived from the model config only
+            if size and size + numel * elem > bucket_bytes:
+                index, size = index + 1, 0
+            of_group.append(index)
+            size += numel * elem
+        buckets = [_Bucket([], [], {}, {}) for _ in range(index + 1)]
+        for i, t in enumerate(self.mine):
+            b = buckets[of_group[t.group]]
+            b.tensors.append(i)
+            for s in t.spans:
+                src = me if s.src is None else source(s, me)
+                if src == me:
+                    b.local.append((i, s))
+                else:
+                    b.recvs.setdefault(src, []).append((i, s))
+        for reader, (dp, _, _, j) in sorted(peers.items()):
+            if reader == me or dp != peers[me][0]:
+                continue
+            for t in self.plan.tensors(j):
+                for s in t.spans:
+                    if s.src is not None and source(s, reader) == me:
+                        buckets[of_group[t.group]].sends.setdefault(reader, []).append(
+                            (s.src, s.axis, s.src_start, s.length))
+        return buckets
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self) -> SyncStats:
+        start = time.perf_counter()
+        targets = self._validate()
+        stats = SyncStats()
+        with torch.no_grad():
+            if targets is not None:
+                for b in self.buckets:
+                    self._run_bucket(b, lambda i: targets[self.mine[i].name], stats, staged_bytes=0)
+                self.engine.weights_updated()
+            else:
+                self.engine.load_weights(self._staged(stats))
+        stats.seconds = time.perf_counter() - start
+        self.last = stats
+        return stats
+
+    def _staged(self, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
+        """Engine tensors for the loader, one bucket at a time (the loader pulls; ranks advance together)."""
+        for b in self.buckets:
+            # Rows a TP-sharded loader never reads (TensorPlan.complete False) stay uninitialised.
+            staged = {i: torch.empty(self.mine[i].shape, dtype=self.dtype, device=self.device) for i in b.tensors}
+            nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+            self._run_bucket(b, staged.__getitem__, stats, staged_bytes=nbytes)
+            for i in b.tensors:
+                yield self.mine[i].name, staged.pop(i)
+
+    def _run_bucket(self, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats,
+                    staged_bytes: int) -> None:
+        import torch.distributed as dist
+
+        sends = {r: self._pack(items) for r, items in b.sends.items()}
+        recvs = {q: torch.empty(sum(_span_numel(self.mine[i].shape, s) for i, s in items), dtype=self.dtype,
+                                device=self.device) for q, items in b.recvs.items()}
+        ops = [dist.P2POp(dist.isend, buf, r) for r, buf in sends.items()]
+        ops += [dist.P2POp(dist.irecv, buf, q) for q, buf in recvs.items()]
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        for i, s in b.local:  # overlaps the transfers
+            dst = target(i).narrow(s.axis, s.dst_start, s.length)
+            if s.src is None:
+                dst.zero_()
+            else:
+                dst.copy_(self.params[s.src].narrow(s.axis, s.src_start, s.length))
+                stats.bytes += dst.numel() * dst.element_size()
+        for req in requests:
+            req.wait()
+        for q, items in b.recvs.items():
+            offset = 0
+            for i, s in items:
+                dst = target(i).narrow(s.axis, s.dst_start, s.length)
+                dst.copy_(recvs[q][offset:offset + dst.numel()].view(dst.shape))
+                offset += dst.numel()
+            stats.bytes_received += recvs[q].numel() * recvs[q].element_size()
+        stats.bytes += sum(buf.numel() * buf.element_size() for buf in recvs.values())
+        moved = sum(buf.numel() * buf.element_size() for buf in [*sends.values(), *recvs.values()])
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, moved + staged_bytes)
+
+    def _pack(self, items: list) -> torch.Tensor:
+        pieces = [self.params[name].narrow(axis, start, length) for name, axis, start, length in items]
+        buf = torch.empty(sum(p.numel() for p in pieces), dtype=self.dtype, device=self.device)
+        offset = 0
+        for p in pieces:
+            buf[offset:offset + p.numel()].view(p.shape).copy_(p)
+            offset += p.numel()
+        return buf
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self) -> Optional[dict[str, torch.Tensor]]:
+        """Check every name and shape on every rank before any engine tensor is written."""
+        import torch.distributed as dist
+
+        problems = self._source_problems()
+        targets = self.engine.param_targets() if self.direct else None
+        have = ({n: tuple(t.shape) for n, t in targets.items()} if targets is not None
+                else self.engine.expected_shapes())
+        want = {t.name: t.shape for t in self.mine}
+        missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if missing:
+            problems.append(f"the {self.engine.kind} engine has no tensor {missing[:4]}")
+        if stale:
+            problems.append(f"engine tensors {stale[:4]} have no Megatron source and would stay stale")
+        problems += [f"{n}: engine shape {list(have[n])}, Megatron layout gives {list(want[n])}"
+                     for n in sorted(set(want) & set(have)) if have[n] != want[n]]
+        failed = torch.tensor([len(problems)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.groups.world)
+        if problems:
+            raise ValueError("weight sync aborted, nothing written: " + "; ".join(problems[:6]))
+        if failed.item():
+            raise ValueError("weight sync aborted, nothing written: another rank failed validation (see its error)")
+        return targets
+
+    def _source_problems(self) -> list[str]:
+        problems = []
+        for stage, name, shape in self.plan.sources:
+            if stage != self.groups.pp_rank:
+                continue
+            p = self.params.get(name)
+            if p is None:
+                problems.append(f"Megatron parameter {name} is missing on pipeline stage {stage}")
+            elif tuple(p.shape) != shape:
+                problems.append(f"{name}: Megatron shard shape {list(p.shape)}, the plan expects {list(shape)}")
+            elif p.dtype != self.dtype:
+                problems.append(f"{name}: dtype {p.dtype}, other parameters {self.dtype}")
+        return problems
+
+
+def _span_numel(shape: tuple[int, ...], s: Span) -> int:
+    other = 1 if len(shape) == 1 else shape[1 - s.axis]
+    return s.length * other
+
+
+def _gather_layout(groups, engine) -> dict:
+    """Global rank -> (dp rank, TP rank, PP rank, rollout TP rank), gathered once over the world."""
+    import torch.distributed as dist
+
+    mine = (groups.rank, groups.dp_rank, groups.tp_rank, groups.pp_rank, engine.tp_rank, engine.tp_size)
+    every = [None] * groups.dims.world_size
+    dist.all_gather_object(every, mine, group=groups.world)
+    sizes = {e[5] for e in every}
+    if len(sizes) != 1:
+        raise ValueError(f"rollout engines disagree on rollout TP size {sorted(sizes)}: build them from one config")
+    return {e[0]: e[1:5] for e in every}

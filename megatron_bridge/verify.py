@@ -1,0 +1,196 @@
+"""Check the bridge: the same batch through transformers and through the Megatron model at TP x PP.
+
+    torchrun --nproc_per_node=W -m megatron_bridge.verify --hf DIR|default|tiny --tp N --pp M [--tol 1e-4]
+
+Prints `max_abs_logit_diff=<value>` (largest |HF - Megatron| over the real tokens and the real
+vocabulary, float32) on rank 0; every rank exits 1 when a difference exceeds `--tol`.
+
+Each comparison is one entry of `run_checks`; a rollout-engine check (`--engine hf|vllm
+--rollout-tp K`, after a weight sync) adds its arguments in `build_parser` and its entry there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+PROMPTS = (
+    "The capital of France is",
+    "What is 12 plus 30? Give the final answer after ####.",
+    "<|im_start|>user\nTom has 3 apples. He buys 4 more. How many does he have now?<|im_end|>\n",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30",
+)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] right-padded
+    lengths: torch.Tensor  # [B] real tokens per row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="HF checkpoint directory, `default` (SmolLM2) or `tiny`")
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per prompt (longer prompts are cut)")
+    p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
+    return p
+
+
+# ---------------------------------------------------------------- inputs and references
+
+def make_batch(hf_dir: str, vocab_size: int, seq_len: int) -> Batch:
+    """Fixed prompts through the checkpoint's own tokenizer (fast or SentencePiece), right-padded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len] for p in PROMPTS]
+    if max(max(r) for r in rows) >= vocab_size:
+        raise ValueError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
+                         f"config.json do not belong together")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = torch.tensor(r)
+    return Batch(input_ids=input_ids, lengths=torch.tensor([len(r) for r in rows]))
+
+
+def padding_mask(batch: Batch) -> torch.Tensor:
+    positions = torch.arange(batch.input_ids.shape[1])
+    return (positions[None, :] < batch.lengths[:, None]).long()  # [B, S]
+
+
+def hf_logits(hf_dir: str, batch: Batch) -> torch.Tensor:
+    """transformers' float32 logits [B, S, vocab] for the batch (padding masked)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=padding_mask(batch)).logits.float()
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Largest |a - b| over real tokens only ([B, S, V] each; padding positions ignored)."""
+    mask = torch.arange(a.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    return (a.float() - b.float()).abs()[mask].max().item()
+
+
+# ---------------------------------------------------------------- Megatron forward
+
+def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, micro_batch_size: int = 1
+                    ) -> torch.Tensor:
+    """Full-vocabulary logits [B, S, vocab] on every rank of the model replica.
+
+    Runs megatron's forward-only schedule (pipelined over micro-batches at PP > 1), gathers the last
+    stage's vocabulary shards over TP, drops padded vocabulary columns and broadcasts over PP.
+    """
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch_size, seq_len = input_ids.shape
+    micro = list(input_ids.to(groups.device).split(micro_batch_size))
+
+    def step(data_iterator, model):
+        tokens = next(data_iterator)  # [b, S]
+        position_ids = torch.arange(seq_len, device=tokens.device).expand_as(tokens)
+        return model(tokens, position_ids, attention_mask=None), _keep_logits
+
+    model.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
+            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=True, collect_non_loss_data=True)
+    if groups.is_last_stage:
+        logits = _gather_vocab(torch.cat(outputs, dim=0), groups)[..., :vocab_size].contiguous()
+    else:
+        logits = torch.empty(batch_size, seq_len, vocab_size, device=groups.device)
+    if groups.dims.pp > 1:
+        dist.broadcast(logits, src=dist.get_global_rank(groups.pp, groups.dims.pp - 1), group=groups.pp)
+    return logits.float().cpu()
+
+
+def _keep_logits(output_tensor, non_loss_data=True):
+    return output_tensor  # [b, S, V/tp]
+
+
+def _gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if groups.dims.tp == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(groups.dims.tp)]
+    dist.all_gather(parts, local.contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=-1)  # [B, S, padded V]
+
+
+# ---------------------------------------------------------------- the command
+
+def run_checks(opts, hf_dir: str, groups, batch: Batch, reference) -> dict[str, float]:
+    """{check name: max |logit difference| vs transformers}, valid on global rank 0.
+
+    `reference` is transformers' logits on rank 0 (None elsewhere). Add a rollout-engine check here.
+    """
+    from megatron_bridge.hf import build_megatron_from_hf
+
+    start = time.time()
+    model, args = build_megatron_from_hf(hf_dir, groups)
+    _log(groups, f"megatron model built and loaded in {time.time() - start:.1f}s")
+    logits = megatron_logits(model, batch.input_ids, groups, args.vocab_size)
+    return {"max_abs_logit_diff": max_abs_diff(logits, reference, batch.lengths)} if groups.rank == 0 else {}
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
+    from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
+    from rlstack.parallel import ParallelDims, destroy_distributed, init_distributed
+
+    hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
+    args = read_model_args(hf_dir)
+    check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    groups = init_distributed(opts.tp, opts.pp)
+    try:
+        batch = make_batch(hf_dir, args.vocab_size, opts.seq_len)
+        reference = hf_logits(hf_dir, batch) if groups.rank == 0 else None
+        results = run_checks(opts, hf_dir, groups, batch, reference)
+        failed = _report(results, opts.tol, groups)
+    finally:
+        destroy_distributed()
+    return 1 if failed else 0
+
+
+def _report(results: dict[str, float], tol: float, groups) -> bool:
+    """Rank 0 prints; the verdict is shared so every rank exits with the same code."""
+    import torch.distributed as dist
+
+    if groups.rank == 0:
+        for name, value in results.items():
+            print(f"{name}={value:.3e}", flush=True)
+        print(f"peak_rss_mib_rank0={_peak_rss_mib():.0f}", flush=True)
+    # `not v <= tol` also fails NaN
+    verdict = torch.tensor([float(groups.rank == 0 and any(not v <= tol for v in results.values()))],
+                           device=groups.device)
+    dist.all_reduce(verdict, group=groups.world)
+    return verdict.item() > 0
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _log(groups, message: str) -> None:
+    if groups.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""Sharded training checkpoints through megatron dist_checkpointing: save, publish, find, resume.
+
+One checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
+  actor/, critic/      megatron dist checkpoints (model + optimizer); each rank writes only its shards
+  rank_00000.pt, ...   per-rank RNG states (python, numpy, torch, megatron's RNG tracker)
+  trainer_state.json   step, data-sampler position, KL controller, layout, model shapes (rank 0)
+  config.yaml          the resolved experiment config
+  hf_source/<role>/    config and tokenizer files of the role's starting HF checkpoint (for export)
+  COMPLETE.json        the completion marker, written last: every file of the checkpoint with its size
+
+Publication is atomic: everything is written under `step_N.tmp`; once every rank is done, rank 0
+writes the marker, renames the directory to `step_N`, then points `latest` at it. A directory
+whose marker is missing, unreadable or contradicted by the files (a truncated shard) is never
+loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
+
+Changing TP/PP/DP between save and resume works: dist checkpointing reshards model and optimizer
+tensors on load. RNG streams are restored only at the same layout (they are per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict
+from typing import Optional
+
+log = logging.getLogger("rlstack")
+
+MARKER = "COMPLETE.json"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+HF_SOURCE = "hf_source"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+# The distributed optimizer's `fully_reshardable` format stores every optimizer tensor in the shape
+# of its parameter, so it reshards across TP/PP/DP like the weights. (Its default in megatron-core
+# 0.16.1, `fully_sharded_model_space`, raises "ShardedTensor.flattened_range is not supported";
+# `dp_reshardable` reshards over DP only: megatron/core/optimizer/distrib_optimizer.py.)
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _optim_metadata(device) -> dict:
+    # Its default exchange all-gathers through `.cuda()` tensors (NCCL); on CPU use its gloo
+    # variant, which gathers on DP rank 0 (distrib_optimizer.py sharded_param_state_fully_reshardable).
+    return dict(OPTIM_METADATA, distrib_optim_fully_reshardable_mem_efficient=device.type != "cuda")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; the message says which one, why, and what to do."""
+
+
+# ----------------------------------------------------------------------------- on-disk format
+
+
+def checkpoint_root(cfg) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.trainer.output_dir, "checkpoints")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Published checkpoint directories under `root`, newest first (complete or not)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    return sorted(found, reverse=True)
+
+
+def write_marker(path: str, step: int) -> dict:
+    """List every file under `path` with its size in the completion marker (written last)."""
+    files = {}
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, path)] = os.path.getsize(full)
+    marker = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    with open(os.path.join(path, MARKER), "w") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    return marker
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The marker of a complete checkpoint; CheckpointError naming the problem otherwise."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist: pass a step_N directory, auto or never")
+    marker_path = os.path.join(path, MARKER)
+    if not os.path.isfile(marker_path):
+        raise CheckpointError(f"checkpoint {path} has no completion marker {MARKER}: its save never finished "
+                              "(interrupted run?), so it is not loaded; resume from another one or delete it")
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        files, step = marker["files"], int(marker["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable completion marker ({e}): it is not loaded; "
+                              "resume from another one or delete it")
+    for rel, size in sorted(files.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing: it is not loaded; "
+                                  "resume from another one or delete it")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise CheckpointError(f"checkpoint {path} is truncated: {rel} has {actual} bytes, the completion "
+                                  f"marker records {size}: it is not loaded; resume from another one or delete it")
+    marker["step"] = step
+    return marker
+
+
+def find_latest(root: str) -> Optional[str]:
+    """Newest complete checkpoint under `root`, warning about each newer one it skips; None if none exist."""
+    refused = []
+    for _, path in list_checkpoints(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("checkpoint.resume=auto skips a checkpoint: %s", e)
+            refused.append(str(e))
+            continue
+        if refused:
+            log.warning("checkpoint.resume=auto falls back to %s, the newest complete checkpoint", path)
+        return path
+    if refused:
+        raise CheckpointError(f"no complete checkpoint in {root} ({len(refused)} refused: {refused[0]}): "
+                              "delete the broken ones or set checkpoint.resume=never to start afresh")
+    return None
+
+
+def resolve_resume(cfg) -> Optional[str]:
+    """The checkpoint directory that `checkpoint.resume` selects, or None (start at step 0)."""
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return find_latest(checkpoint_root(cfg))
+    if not os.path.isdir(mode):
+        raise CheckpointError(f"checkpoint.resume={mode}: no such directory: pass a checkpoint directory "
+                              "(.../checkpoints/step_N or .../checkpoints), auto or never")
+    if not os.path.exists(os.path.join(mode, MARKER)) and list_checkpoints(mode):
+        found = find_latest(mode)  # a checkpoints folder: its newest complete checkpoint
+        assert found is not None
+        return found
+    verify_checkpoint(mode)
+    return mode
+
+
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Drop lines of `metrics.jsonl` past `last_step` (and a torn last line), in place. Returns lines dropped.
+
+    In place, not by replacing the file: the run's JsonlTracker already holds it open for append.
+    """
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "r+", encoding="utf-8") as f:
+        lines = f.readlines()
+        kept = [line for line in lines if _metrics_step(line) is not None and _metrics_step(line) <= last_step]
+        f.seek(0)
+        f.writelines(kept)
+        f.truncate()
+    return len(lines) - len(kept)
+
+
+def _metrics_step(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- one model role
+
+
+def _role_sharded_state(role, with_optimizer: bool, is_loading: bool) -> dict:
+    # GPTModel.sharded_state_dict covers the critic's ValueHead too: megatron's default for a
+    # plain submodule (transformer/utils.py sharded_state_dict_default) makes TP-replicated tensors.
+    model_sd = role.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                               metadata=_optim_metadata(role.groups.device))
+    return state
+
+
+def save_role(role, path: str, groups, with_optimizer: bool) -> None:
+    """Collective over the world: each rank writes only the shards it is the main replica of."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    state = _role_sharded_state(role, with_optimizer and role.optimizer is not None, is_loading=False)
+    # Spread the writing of DP-replicated tensors over the DP ranks instead of DP rank 0 alone.
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), groups.dp)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+
+
+def load_role(role, path: str, with_optimizer: bool) -> None:
+    """Collective: load (and reshard) weights and, if asked, optimizer state into `role` in place."""
+    from megatron.core import dist_checkpointing
+
+    with_optimizer = with_optimizer and role.optimizer is not None
+    if with_optimizer:
+        _allocate_distributed_optimizer_state(role.optimizer)
+    state = _role_sharded_state(role, with_optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, path)
+    role.module.load_state_dict(loaded["model"], strict=True)
+    if with_optimizer:
+        role.optimizer.load_state_dict(loaded["optimizer"])
+    elif role.optimizer is not None:
+        role.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
+
+
+def _allocate_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state, which load then overwrites.
+
+    megatron-core 0.16.1 `DistributedOptimizer.state_dict()` reads Adam's `step` from the torch
+    optimizer's per-parameter state when TE/Apex are absent (distrib_optimizer.py, `assert
+    len(steps) == 1`): a torch Adam that never stepped has none. One zero-gradient step allocates it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+    _patch_torch_adam_step_on_load()
+
+
+def _patch_torch_adam_step_on_load() -> None:
+    """Let the distributed optimizer load `fully_reshardable` state into torch Adam (no TE/Apex).
+
+    megatron-core 0.16.1 `DistributedOptimizer._set_main_param_and_optimizer_states` copies every key
+    of a parameter's Adam state, which for torch Adam includes `step`; `load_parameter_state_from_
+    fully_reshardable` supplies no `step` (load_state_dict already set it from param_groups), so the
+    load dies with KeyError 'step'. Copy the keys supplied instead; `step` stays as already loaded.
+    """
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if dopt.HAVE_APEX_OR_TE or getattr(cls, "_rlstack_step_patch", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        assert set(tensors) == set(dst) - {"step"}, (sorted(tensors), sorted(dst))
+        for key, value in tensors.items():
+            dst[key].copy_(value)
+
+    cls._set_main_param_and_optimizer_states = set_states
+    cls._rlstack_step_patch = True
+
+
+def trainer_roles(trainer) -> dict:
+    """Roles with trainable state, by checkpoint sub-directory; the frozen reference is rebuilt from HF."""
+    roles = {"actor": trainer.actor.role}
+    if trainer.critic is not None:
+        roles["critic"] = trainer.critic.role
+    return roles
+
+
+# ----------------------------------------------------------------------------- per-rank RNG
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank_{rank:05d}.pt")
+
+
+def _layout(groups) -> dict:
+    d = groups.dims
+    return {"tp": d.tp, "pp": d.pp, "dp": d.dp, "world_size": d.world_size}
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+
+class Checkpointer:
+    """Saves every `checkpoint.save_every` steps (and at the last step) and resumes a run."""
+
+    def __init__(self, cfg, groups):
+        self.cfg, self.groups = cfg, groups
+        self.root = checkpoint_root(cfg)
+        self.last_save = {}  # seconds, bytes, path of the latest save (benchmarks read it)
+        self.last_load = {}
+
+    # -------------------------------------------------------------- save
+
+    def maybe_save(self, trainer) -> Optional[str]:
+        every = self.cfg.checkpoint.save_every
+        if every <= 0:
+            return None
+        if trainer.step % every == 0 or trainer.step == self.cfg.trainer.total_steps:
+            return self.save(trainer)
+        return None
+
+    def save(self, trainer) -> str:
+        """Collective: write step_N.tmp on every rank, then publish it (rank 0). Returns the path."""
+        import torch
+
+        g, t0 = self.groups, time.perf_counter()
+        final = step_dir(self.root, trainer.step)
+        tmp = final + ".tmp"
+        roles = trainer_roles(trainer)
+        if g.rank == 0:
+            self._prepare(tmp, list(roles))
+        self._barrier()
+        for name, role in roles.items():
+            save_role(role, os.path.join(tmp, name), g, self.cfg.checkpoint.save_optimizer)
+        torch.save(rng_state(), _rank_file(tmp, g.rank))
+        if g.rank == 0:
+            self._write_rank0_files(tmp, trainer)
+        self._barrier()  # every rank's files are on disk before the marker lists them
+        if g.rank == 0:
+            marker = write_marker(tmp, trainer.step)
+            self._publish(tmp, final)
+            size = sum(marker["files"].values())
+            self.last_save = {"seconds": time.perf_counter() - t0, "bytes": size, "path": final}
+            log.info("checkpoint step %d saved to %s in %.2f s (%.1f MiB)", trainer.step, final,
+                     self.last_save["seconds"], size / 2**20)
+        self._barrier()  # published before any rank goes on
+        return final
+
+    def _prepare(self, tmp: str, role_names: list[str]) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        for name in os.listdir(self.root):  # leftovers of saves that were interrupted
+            if name.endswith(".tmp") and os.path.isdir(os.path.join(self.root, name)):
+                shutil.rmtree(os.path.join(self.root, name))
+        for name in role_names:  # dist_checkpointing.save expects its directory to exist
+            os.makedirs(os.path.join(tmp, name))
+
+    def _write_rank0_files(self, tmp: str, trainer) -> None:
+        from rlstack.config import to_yaml
+
+        roles = trainer_roles(trainer)
+        state = {
+            "step": trainer.step, "sampler": trainer.sampler.state_dict(), "kl_ctrl": trainer.kl_ctrl.state_dict(),
+            "layout": _layout(self.groups), "roles": sorted(roles),
+            "save_optimizer": bool(self.cfg.checkpoint.save_optimizer),
+            "model_args": {name: asdict(role.args) for name, role in roles.items()},
+            "value_head": {name: name == "critic" for name in roles},
+        }
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump(state, f, indent=1)
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(to_yaml(self.cfg))
+        sources = {"actor": trainer.hf_dir, "critic": self.cfg.model.critic_path or trainer.hf_dir}
+        for name in roles:
+            copy_hf_metadata(sources[name], os.path.join(tmp, HF_SOURCE, name))
+
+    def _publish(self, tmp: str, final: str) -> None:
+        if os.path.exists(final):  # a re-run of this step after a resume from an older checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = os.path.join(self.root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+        os.replace(latest_tmp, os.path.join(self.root, LATEST))
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = self.cfg.checkpoint.keep_last
+        if keep <= 0:
+            return
+        complete = [path for _, path in list_checkpoints(self.root) if os.path.isfile(os.path.join(path, MARKER))]
+        for path in complete[keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("checkpoint.keep_last=%d: removed %s", keep, path)
+
+    # -------------------------------------------------------------- resume
+
+    def resume(self, trainer) -> int:
+        """Collective: load the checkpoint `checkpoint.resume` selects into `trainer`. Returns the step."""
+        g, t0 = self.groups, time.perf_counter()
+        path = self._resolve_on_rank0()
+        if path is None:
+            log.info("no checkpoint to resume from (checkpoint.resume=%s): starting at step 0",
+                     self.cfg.checkpoint.resume)
+            return 0
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            state = json.load(f)
+        roles = trainer_roles(trainer)
+        _check_compatible(path, state, roles)
+        if not state["save_optimizer"]:
+            log.warning("checkpoint %s holds no optimizer state (checkpoint.save_optimizer=false): "
+                        "Adam moments restart from zero", path)
+        for name, role in roles.items():
+            load_role(role, os.path.join(path, name), state["save_optimizer"])
+        trainer.step = int(state["step"])
+        trainer.sampler.load_state_dict(state["sampler"])
+        trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self._restore_rng(path, state["layout"])
+        if g.rank == 0:
+            from rlstack.observability.trackers import METRICS_FILE
+
+            dropped = truncate_metrics(os.path.join(self.cfg.trainer.output_dir, METRICS_FILE), trainer.step)
+            if dropped:
+                log.info("resume: dropped %d metrics.jsonl lines past step %d", dropped, trainer.step)
+        self._barrier()
+        self.last_load = {"seconds": time.perf_counter() - t0, "path": path}
+        log.info("resumed from %s at step %d in %.2f s", path, trainer.step, self.last_load["seconds"])
+        return trainer.step
+
+    def _resolve_on_rank0(self) -> Optional[str]:
+        """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or the same error."""
+        import torch.distributed as dist
+
+        answer = [None, None]
+        if self.groups.rank == 0:
+            try:
+                answer[0] = resolve_resume(self.cfg)
+            except CheckpointError as e:
+                answer[1] = str(e)
+        dist.broadcast_object_list(answer, src=0, group=self.groups.world)
+        if answer[1] is not None:
+            raise CheckpointError(answer[1])
+        return answer[0]
+
+    def _restore_rng(self, path: str, saved_layout: dict) -> None:
+        import torch
+
+        if saved_layout != _layout(self.groups):
+            log.warning("resume at a new layout (%s -> %s): per-rank RNG states are not restored; they keep "
+                        "this run's trainer.seed streams", saved_layout, _layout(self.groups))
+            return
+        set_rng_state(torch.load(_rank_file(path, self.groups.rank), weights_only=False))
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups.world)
+
+
+def _check_compatible(path: str, state: dict, roles: dict) -> None:
+    if sorted(roles) != state["roles"]:
+        raise CheckpointError(f"checkpoint {path} holds roles {state['roles']}, this run trains {sorted(roles)}: "
+                              "resume with the same algorithm.name (ppo has a critic, grpo none) or "
+                              "set checkpoint.resume=never")
+    for name, role in roles.items():
+        saved = state["model_args"][name]
+        now = asdict(role.args)
+        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if diff:
+            raise CheckpointError(f"checkpoint {path} holds a different {name} model ({diff}, as saved vs now): "
+                                  "resume with the same model.path or set checkpoint.resume=never")
+
+
+def copy_hf_metadata(src: str, dst: str) -> None:
+    """Copy the config and tokenizer files (not the weights) of an HF directory."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        full = os.path.join(src, name)
+        if os.path.isfile(full) and not name.endswith(_WEIGHT_SUFFIXES) and not name.startswith("."):
+            if not name.endswith(".index.json"):
+                shutil.copy2(full, os.path.join(dst, name))

@@ -1,0 +1,124 @@
+"""The rollout engine interface: generate from token ids, take weights, report metrics.
+
+Engines (`hf_engine.HFEngine`, `vllm_engine.VLLMEngine`) live one per rank for the whole run; the
+weight-sync bridge (`megatron_bridge.reshard.WeightSync`) writes the actor's weights into them
+before every rollout, either in place through `param_targets()` or through `load_weights()`.
+
+Log-prob convention (both engines): `Generation.logprobs[i]` is log p(response_ids[i]) under the
+model's unmodified distribution (temperature 1, no top-k/top-p), whatever the sampling settings.
+That is what vLLM returns by default (`logprobs_mode="raw_logprobs"`) and what the actor recomputes,
+so engine and actor log-probs are comparable directly (`megatron_bridge.verify_sync`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:  # keep `import rlstack.rollout.base` free of torch
+    import torch
+
+    from rlstack.config import RolloutConfig
+    from rlstack.parallel import ParallelGroups
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64
+    greedy: bool = False  # argmax decoding; temperature/top-p/top-k are ignored
+    seed: int = 0  # added to the engine's base seed; a new value reseeds the engine's sampler
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling n={self.n} must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0: use greedy=True for argmax decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or a positive count")
+
+
+@dataclass
+class Generation:
+    prompt_index: int  # index into the `prompts` list given to `generate`
+    prompt_ids: list[int]
+    response_ids: list[int]  # ends at and includes eos when finish_reason == "stop"
+    logprobs: list[float]  # one per response token, temperature-1 distribution (module docstring)
+    finish_reason: str  # "stop" (eos) | "length" (max_new_tokens)
+
+
+class RolloutEngine(ABC):
+    """One rollout engine per rank. `tp_size`/`tp_rank` are its rollout tensor-parallel position."""
+
+    kind: str = "base"
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """n samples per prompt, ordered prompt-major: [p0s0, p0s1, ..., p1s0, ...]."""
+
+    @abstractmethod
+    def param_targets(self) -> Optional[dict[str, "torch.Tensor"]]:
+        """Engine tensors the bridge may overwrite in place (names in the engine's layout), or None."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load HF-named tensors through the engine's own loader (consumed lazily, in order)."""
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor `load_weights` expects (to validate a sync up front)."""
+        targets = self.param_targets()
+        assert targets is not None, f"{type(self).__name__} must override expected_shapes()"
+        return {name: tuple(t.shape) for name, t in targets.items()}
+
+    def weights_updated(self) -> None:
+        """Called after every in-place write: drop caches derived from the old weights."""
+
+    @abstractmethod
+    def metrics(self) -> dict:
+        """Counters since the last call: rollout/tokens, rollout/seconds, rollout/tokens_per_s, ..."""
+
+    def close(self) -> None:
+        """Release the engine (kept for the whole run; see the vLLM engine's shutdown note)."""
+
+
+def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGroups", eos_token_id: int,
+                 pad_token_id: int) -> RolloutEngine:
+    """The configured engine on this rank. vLLM construction is collective: every rank calls this."""
+    if rollout_cfg.engine not in ENGINES:
+        raise ValueError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
+    if groups.dims.world_size % rollout_cfg.tp:
+        raise ValueError(
+            f"rollout.tp={rollout_cfg.tp} must divide the world size {groups.dims.world_size}: "
+            f"choose rollout.tp from the divisors of the number of processes"
+        )
+    if rollout_cfg.engine == "hf":
+        from rlstack.rollout.hf_engine import HFEngine
+
+        if rollout_cfg.tp != 1:
+            raise ValueError(f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
+                             f"(got {rollout_cfg.tp}) or use rollout.engine=vllm")
+        return HFEngine(hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id,
+                        seed=rollout_seed(rollout_cfg, groups))
+    from rlstack.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups))
+
+
+def rollout_seed(rollout_cfg: "RolloutConfig", groups: "ParallelGroups") -> int:
+    """seed + data-parallel rank; at rollout TP > 1 the ranks of one vLLM TP group must sample alike,
+    so the replica index (global rank // rollout TP) takes the data-parallel rank's place."""
+    if rollout_cfg.tp == 1:
+        return rollout_cfg.seed + groups.dp_rank
+    return rollout_cfg.seed + groups.rank // rollout_cfg.tp

@@ -1,0 +1,43 @@
+"""Pure next-token sampling: temperature, top-k, top-p (nucleus), greedy; log-probs of the choice.
+
+The returned log-prob is always of the unmodified (temperature 1) distribution; see `base.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rlstack.rollout.base import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [B, V] -> scaled logits [B, V] with tokens outside top-k / the top-p nucleus at -inf."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]; the top token always stays (mass 0)
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (float) -> (token ids [B], log-probs [B] of those tokens at temperature 1)."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        plain = params.temperature == 1.0 and params.top_k == -1 and params.top_p == 1.0
+        probs = logprobs.exp() if plain else torch.softmax(
+            filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

