@@ -66,7 +66,8 @@ def describe_setup(args, cfg) -> dict:
         "algorithm": a.name, "engine": r.engine, "prompts": d.train_batch_size, "n": r.n,
         "max_new_tokens": r.max_new_tokens, "max_prompt_length": d.max_prompt_length,
         "micro_batch_size": a.micro_batch_size, "ppo_epochs": a.ppo_epochs, "dtype": cfg.model.dtype,
-        "reference": a.use_kl_loss or a.use_kl_in_reward, "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
+        "reference": a.use_kl_loss or a.use_kl_in_reward,
+        "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
         "steps": args.steps, "warmup_steps": 1, "reps": args.reps, "warmup_reps": 1,
         "overrides": list(args.overrides),
     }
@@ -93,11 +94,14 @@ def model_info(hf_dir: str) -> dict:
     return {"dims": dataclasses.asdict(dims), "matmul_params": dims.matmul_params}
 
 
-def machine() -> dict:
+def machine(load_at_start: tuple[float, float, float]) -> dict:
+    """The host; the load averages tell whether other work shared the cores during the run."""
     import psutil
 
     out = {"cpu": _cpu_model(), "logical cores": os.cpu_count(),
-           "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "platform": platform.platform()}
+           "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "platform": platform.platform(),
+           "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in load_at_start),
+           "load average at end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     gpu = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
     if gpu:
         out["gpu"] = "; ".join(gpu.splitlines())

@@ -82,7 +82,8 @@ def main_table(results: dict, f: dict) -> list[str]:
         if f"throughput/{role}_tok_s" in f:
             lines.append(_row(f"{role} training tokens/s (fwd+bwd+step)",
                               *fmt_stat(f.get(f"throughput/{role}_tok_s"), "tok/s"),
-                              fmt_num(f.get(f"ceiling/{role}_train_tok_s"), "tok/s"), _frac(f, f"fraction/{role}_train")))
+                              fmt_num(f.get(f"ceiling/{role}_train_tok_s"), "tok/s"),
+                              _frac(f, f"fraction/{role}_train")))
     lines.append(_row("weight sync seconds (rank 0)", *fmt_stat(f.get("sync/seconds"), "s"),
                       f"memcpy {fmt_stat(f.get('sync/memcpy_s'), 's')[0]}", _frac(f, "fraction/sync_memcpy")))
     lines.append(_row("weight sync bytes (rank 0)", *fmt_stat(f.get("sync/bytes"), "B"), "", ""))
@@ -167,7 +168,8 @@ def render_markdown(results: dict, f: dict) -> str:
            f"{s['model_name']}, {s['algorithm'].upper()}, {s['prompts']} prompts x {s['n']} samples x "
            f"{s['max_new_tokens']} max new tokens, {s['dtype']}, {s['nproc']} ranks ({s['layout']}) x "
            f"{s['threads_per_rank']} threads, rollout engine `{s['engine']}`. {s['steps']} steps, the first "
-           f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed repetitions.",
+           f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed "
+           "repetitions.",
            "", *main_table(results, f), "", "## Side by side with TRL", "", *trl_table(results, f), "",
            "## Targets", "", *targets_table(f), "", "## Machine ceilings", "", *ceilings_table(results), "",
            "## FLOP floor of one step", "", *floor_table(f), "", "## Machine and versions", ""]

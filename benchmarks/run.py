@@ -51,11 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def echo_line(line: str) -> bool:
-    return any(w in line for w in ("step_s=", "profile:", "Traceback", "Error", "error:"))
+    return any(w in line for w in ("| step_s ", "profile:", "Traceback", "Error", "error:"))
 
 
 def torchrun_cmd(nproc: int) -> list[str]:
-    return [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", f"--nproc_per_node={nproc}"]
+    # `python -m torch.distributed.run` is torchrun without relying on the script being on PATH.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def run_trainer(args, setup: dict, env: dict) -> dict:
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.overrides)
     setup = environment.describe_setup(args, cfg)
     skip = set(filter(None, args.skip.split(",")))
+    load_at_start = os.getloadavg()
     env = {**os.environ, "OMP_NUM_THREADS": str(setup["threads_per_rank"]), "TOKENIZERS_PARALLELISM": "false"}
     results = {"config": args.config, "config_name": setup["config_name"], "date": datetime.date.today().isoformat(),
                "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/run.py",
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
             continue
         print(f"== {name}", flush=True)
         results[name] = fn()
-    results["machine"], results["versions"] = environment.machine(), environment.versions(results)
+    results["machine"] = environment.machine(load_at_start)
+    results["versions"] = environment.versions(results)
     return publish(results, args.out_dir)
 
 

