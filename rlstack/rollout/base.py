@@ -95,7 +95,10 @@ class RolloutEngine(ABC):
 
 def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGroups", eos_token_id: int,
                  pad_token_id: int) -> RolloutEngine:
-    """The configured engine on this rank. vLLM construction is collective: every rank calls this."""
+    """The configured engine on this rank. vLLM construction is collective: every rank calls this.
+
+    `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
+    """
     if rollout_cfg.engine not in ENGINES:
         raise ValueError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
     if groups.dims.world_size % rollout_cfg.tp:

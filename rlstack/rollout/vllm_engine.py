@@ -85,7 +85,9 @@ class VLLMEngine(RolloutEngine):
         vparams = VSamplingParams(
             n=params.n, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy or params.top_k < 0 else params.top_k,
-            max_tokens=params.max_new_tokens, logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False,
+            max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+            # Stop on our eos only (as the hf engine does), not on generation_config.json's eos list.
+            ignore_eos=True, stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
         )
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)

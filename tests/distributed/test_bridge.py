@@ -80,21 +80,31 @@ def test_logits_equal_transformers_at_every_layout(arch, tiny_cache, tmp_path):
 
 
 def _round_trip_worker(hf_dir, out_dir, tp, pp):
-    from megatron_bridge.hf import build_megatron_from_hf, gather_hf_state_dict, save_hf
+    """-> (holds the state dict, elements this rank read from the checkpoint)."""
+    from unittest import mock
+
+    from megatron_bridge.hf import SafetensorsReader, build_megatron_from_hf, gather_hf_state_dict, save_hf
     from rlstack.parallel import init_distributed
 
     groups = init_distributed(tp, pp)
-    model, args = build_megatron_from_hf(hf_dir, groups)
+    read = SafetensorsReader.read
+    counted = []
+    with mock.patch.object(SafetensorsReader, "read", lambda *a: counted.append(read(*a).numel()) or read(*a)):
+        model, args = build_megatron_from_hf(hf_dir, groups)
     state = gather_hf_state_dict(model, args, groups)
     if groups.rank == 0:
         save_hf(state, args, out_dir, hf_dir)
-    return state is not None
+    return state is not None, sum(counted)
+
+
+def _load(hf_dir):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(hf_dir, "model.safetensors"))
 
 
 def _assert_bit_exact(src_dir, out_dir):
-    from safetensors.torch import load_file
-
-    src, out = load_file(os.path.join(src_dir, "model.safetensors")), load_file(os.path.join(out_dir, "model.safetensors"))
+    src, out = _load(src_dir), _load(out_dir)
     assert sorted(src) == sorted(out)
     for name in src:
         assert src[name].dtype == out[name].dtype and torch.equal(src[name], out[name]), name
@@ -112,9 +122,11 @@ def _assert_transformers_loads_cleanly(out_dir, src_dir):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tiny_cache, tmp_path):
     src, out = _tiny(tiny_cache, arch), str(tmp_path / "hf_out")
-    flags = run_distributed(_round_trip_worker, 4, src, out, 2, 2)
-    assert flags == [True, False, False, False]  # only global rank 0 holds the state dict
+    flags, elements_read = zip(*run_distributed(_round_trip_worker, 4, src, out, 2, 2))
+    assert flags == (True, False, False, False)  # only global rank 0 holds the state dict
     _assert_bit_exact(src, out)
+    total = sum(t.numel() for t in _load(src).values())
+    assert all(0 < n < 0.5 * total for n in elements_read), (elements_read, total)  # owned slices only
     _assert_transformers_loads_cleanly(out, src)
 
 

@@ -290,6 +290,8 @@ def _plain_tensors(path):
 
 
 def _flatten(tree, prefix):
+    if isinstance(tree, (list, tuple)):
+        tree = dict(enumerate(tree))
     if not isinstance(tree, dict):
         return {prefix: tree}
     out = {}
@@ -302,6 +304,8 @@ def _same_up_to_vocab_padding(old, new) -> bool:
     """Equal, except that vocab padding rows (zeros) grow with TP: 384 rows at TP1, 512 at TP2."""
     import torch
 
+    if not torch.is_tensor(old):
+        return old == new
     if old.shape != new.shape:
         rows = min(old.shape[0], new.shape[0])
         if old[rows:].any() or new[rows:].any():
