@@ -206,7 +206,7 @@ class SyncStats:
     seconds: float = 0.0
     bytes: int = 0  # bytes written into the engine from Megatron shards (local copies + received)
     bytes_received: int = 0  # the part that came from other ranks
-    peak_extra_bytes: int = 0  # largest send + receive + staging footprint of one bucket
+    peak_extra_bytes: int = 0  # transport buffers + staged engine tensors, at their largest
 
     def as_metrics(self) -> dict:
         return {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
@@ -217,19 +217,26 @@ class SyncStats:
 class _Bucket:
     tensors: list  # indices into this rank's plan tensors
     local: list  # (tensor index, Span): copies from this rank's own shards, and zero fills
-    recvs: dict  # source rank -> [(tensor index, Span)], in plan order
-    sends: dict  # reader rank -> [(Megatron name, axis, start, length)], in the reader's plan order
+    reads: dict  # source rank -> [(tensor index, Span, element offset in the source's message / outbox)]
+    sends: dict  # p2p: reader rank -> [span key], in the reader's plan order
+    outbox: dict  # shm: span key -> element offset; each span published once, read by every reader
 
 
 class WeightSync:
     """Writes the actor's current weights into `engine` on every rank. All ranks call `sync()` together.
 
-    The schedule (who sends which spans to whom, bucket by bucket) is computed once here.
+    The schedule (which spans each rank sends and reads, bucket by bucket) is computed once here.
+    Transport: "shm" (ranks of one host: each rank publishes the spans others need into its own
+    shared-memory outbox, two slots alternating, one barrier per bucket; a remote byte is copied
+    twice, a local one once) or "p2p" (torch.distributed isend/irecv: NCCL on GPUs, across hosts).
     """
 
-    def __init__(self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128):
+    def __init__(self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128,
+                 transport: str = "auto"):
         if bucket_mb <= 0:
             raise ValueError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
+        if transport not in ("auto", "shm", "p2p"):
+            raise ValueError(f"transport={transport!r} is unknown: use auto, shm or p2p")
         self.groups, self.engine = groups, engine
         while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
             model = model.module
@@ -239,18 +246,22 @@ class WeightSync:
         kind = "vllm" if self.direct and engine.kind == "vllm" else "hf"
         self.plan = plan_reshard(args, groups.dims.tp, groups.dims.pp, engine.tp_size, kind, te_spec, divisible_by)
         self.mine = self.plan.tensors(engine.tp_rank)
+        self.src_shapes = {(stage, name): shape for stage, name, shape in self.plan.sources}
         some = next(iter(self.params.values()))
         self.dtype, self.device = some.dtype, some.device
-        self.buckets = self._schedule(_gather_layout(groups, engine), int(bucket_mb * (1 << 20)))
+        peers = _gather_layout(groups, engine)
+        members = sorted(r for r, p in peers.items() if p[0] == peers[groups.rank][0])  # my model-parallel group
+        one_host = len({peers[r][4] for r in members}) == 1
+        if transport == "shm" and not (one_host and self.device.type == "cpu"):
+            raise ValueError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
+        self.shm = transport == "shm" or (transport == "auto" and one_host and self.device.type == "cpu")
+        self.buckets, slot_numel = self._schedule(peers, members, int(bucket_mb * (1 << 20)))
+        self.boxes, self.slot_numel = _open_outboxes(groups, members, slot_numel, self.dtype) if self.shm else ({}, {})
         self.last: Optional[SyncStats] = None
 
-    def _schedule(self, peers: dict, bucket_bytes: int) -> list[_Bucket]:
-        me, table = self.groups.rank, {(dp, tp, pp): r for r, (dp, tp, pp, _) in peers.items()}
-
-        def source(span: Span, reader: int) -> int:
-            dp, tp, _, _ = peers[reader]
-            return table[(dp, tp if span.src_tp is None else span.src_tp, span.src_pp)]
-
+    def _schedule(self, peers: dict, members: list[int], bucket_bytes: int):
+        """Every route of this model-parallel group: (bucket, reader, tensor, span) -> source rank."""
+        me, table = self.groups.rank, {(dp, tp, pp): r for r, (dp, tp, pp, _, _) in peers.items()}
         elem = torch.empty((), dtype=self.dtype).element_size()
         of_group, size, index = [], 0, 0
         for numel in self.plan.group_numel:  # same on every rank: derived from the model config only
@@ -258,25 +269,49 @@ class WeightSync:
                 index, size = index + 1, 0
             of_group.append(index)
             size += numel * elem
-        buckets = [_Bucket([], [], {}, {}) for _ in range(index + 1)]
-        for i, t in enumerate(self.mine):
-            b = buckets[of_group[t.group]]
-            b.tensors.append(i)
-            for s in t.spans:
-                src = me if s.src is None else source(s, me)
-                if src == me:
-                    b.local.append((i, s))
-                else:
-                    b.recvs.setdefault(src, []).append((i, s))
-        for reader, (dp, _, _, j) in sorted(peers.items()):
-            if reader == me or dp != peers[me][0]:
-                continue
-            for t in self.plan.tensors(j):
+        buckets = [_Bucket([], [], {}, {}, {}) for _ in range(index + 1)]
+        used = {}  # (bucket, source, reader or None) -> elements so far in that message / outbox
+        outboxes = {}  # (bucket, source) -> {span key: offset}
+        for reader in members:
+            dp, tp, _, j, _ = peers[reader]
+            for i, t in enumerate(self.plan.tensors(j)):
+                b = of_group[t.group]
+                if reader == me:
+                    buckets[b].tensors.append(i)
                 for s in t.spans:
-                    if s.src is not None and source(s, reader) == me:
-                        buckets[of_group[t.group]].sends.setdefault(reader, []).append(
-                            (s.src, s.axis, s.src_start, s.length))
-        return buckets
+                    q = reader if s.src is None else table[(dp, tp if s.src_tp is None else s.src_tp, s.src_pp)]
+                    if q == reader:
+                        if reader == me:
+                            buckets[b].local.append((i, s))
+                        continue
+                    key = (s.src, s.src_pp, s.axis, s.src_start, s.length)
+                    if self.shm:
+                        box = outboxes.setdefault((b, q), {})
+                        if key not in box:
+                            box[key] = used.get((b, q, None), 0)
+                            used[(b, q, None)] = box[key] + self._numel(key)
+                        offset = box[key]
+                    else:
+                        offset = used.get((b, q, reader), 0)
+                        used[(b, q, reader)] = offset + self._numel(key)
+                    if reader == me:
+                        buckets[b].reads.setdefault(q, []).append((i, s, offset))
+                    if q == me and not self.shm:
+                        buckets[b].sends.setdefault(reader, []).append(key)
+        for b, bucket in enumerate(buckets):
+            bucket.outbox = outboxes.get((b, me), {})
+        slot_numel = {q: max([n for (_, src, r), n in used.items() if src == q and r is None], default=1)
+                      for q in members}
+        return buckets, slot_numel
+
+    def _numel(self, key) -> int:
+        name, stage, axis, _, length = key
+        shape = self.src_shapes[(stage, name)]
+        return length * (1 if len(shape) == 1 else shape[1 - axis])
+
+    def _span(self, key) -> torch.Tensor:
+        name, _, axis, start, length = key
+        return self.params[name].narrow(axis, start, length)
 
     # ------------------------------------------------------------------ sync
 
@@ -286,8 +321,8 @@ class WeightSync:
         stats = SyncStats()
         with torch.no_grad():
             if targets is not None:
-                for b in self.buckets:
-                    self._run_bucket(b, lambda i: targets[self.mine[i].name], stats, staged_bytes=0)
+                for index, b in enumerate(self.buckets):
+                    self._run_bucket(index, b, lambda i: targets[self.mine[i].name], stats, staged_bytes=0)
                 self.engine.weights_updated()
             else:
                 self.engine.load_weights(self._staged(stats))
@@ -297,51 +332,72 @@ class WeightSync:
 
     def _staged(self, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
         """Engine tensors for the loader, one bucket at a time (the loader pulls; ranks advance together)."""
-        for b in self.buckets:
+        for index, b in enumerate(self.buckets):
             # Rows a TP-sharded loader never reads (TensorPlan.complete False) stay uninitialised.
             staged = {i: torch.empty(self.mine[i].shape, dtype=self.dtype, device=self.device) for i in b.tensors}
             nbytes = sum(t.numel() * t.element_size() for t in staged.values())
-            self._run_bucket(b, staged.__getitem__, stats, staged_bytes=nbytes)
+            self._run_bucket(index, b, staged.__getitem__, stats, staged_bytes=nbytes)
             for i in b.tensors:
                 yield self.mine[i].name, staged.pop(i)
 
-    def _run_bucket(self, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats,
+    def _run_bucket(self, index: int, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats,
                     staged_bytes: int) -> None:
-        import torch.distributed as dist
-
-        sends = {r: self._pack(items) for r, items in b.sends.items()}
-        recvs = {q: torch.empty(sum(_span_numel(self.mine[i].shape, s) for i, s in items), dtype=self.dtype,
-                                device=self.device) for q, items in b.recvs.items()}
-        ops = [dist.P2POp(dist.isend, buf, r) for r, buf in sends.items()]
-        ops += [dist.P2POp(dist.irecv, buf, q) for q, buf in recvs.items()]
-        requests = dist.batch_isend_irecv(ops) if ops else []
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.shm:
+            inboxes, wait = self._publish(index, b)
+            buffers = 2 * self.slot_numel[self.groups.rank] * elem
+        else:
+            inboxes, wait = self._exchange(b)
+            buffers = sum(t.numel() * elem for t in inboxes.values()) + sum(self._numel(k) * elem for ks in
+                                                                            b.sends.values() for k in ks)
         for i, s in b.local:  # overlaps the transfers
             dst = target(i).narrow(s.axis, s.dst_start, s.length)
             if s.src is None:
                 dst.zero_()
             else:
                 dst.copy_(self.params[s.src].narrow(s.axis, s.src_start, s.length))
-                stats.bytes += dst.numel() * dst.element_size()
-        for req in requests:
-            req.wait()
-        for q, items in b.recvs.items():
-            offset = 0
-            for i, s in items:
+                stats.bytes += dst.numel() * elem
+        wait()
+        for q, items in b.reads.items():
+            for i, s, offset in items:
                 dst = target(i).narrow(s.axis, s.dst_start, s.length)
-                dst.copy_(recvs[q][offset:offset + dst.numel()].view(dst.shape))
-                offset += dst.numel()
-            stats.bytes_received += recvs[q].numel() * recvs[q].element_size()
-        stats.bytes += sum(buf.numel() * buf.element_size() for buf in recvs.values())
-        moved = sum(buf.numel() * buf.element_size() for buf in [*sends.values(), *recvs.values()])
-        stats.peak_extra_bytes = max(stats.peak_extra_bytes, moved + staged_bytes)
+                dst.copy_(inboxes[q][offset:offset + dst.numel()].view(dst.shape))
+                stats.bytes += dst.numel() * elem
+                stats.bytes_received += dst.numel() * elem
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, buffers + staged_bytes)
 
-    def _pack(self, items: list) -> torch.Tensor:
-        pieces = [self.params[name].narrow(axis, start, length) for name, axis, start, length in items]
-        buf = torch.empty(sum(p.numel() for p in pieces), dtype=self.dtype, device=self.device)
+    def _publish(self, index: int, b: _Bucket):
+        """shm: copy the spans others read into my outbox slot; the barrier makes every slot readable."""
+        import torch.distributed as dist
+
+        slot = index % 2  # slot reuse two buckets later is safe: everyone passed the barrier in between
+        mine = self.boxes[self.groups.rank]
+        base = slot * self.slot_numel[self.groups.rank]
+        for key, offset in b.outbox.items():
+            src = self._span(key)
+            mine[base + offset:base + offset + src.numel()].view(src.shape).copy_(src)
+        inboxes = {q: self.boxes[q][slot * self.slot_numel[q]:(slot + 1) * self.slot_numel[q]] for q in b.reads}
+        return inboxes, lambda: dist.barrier(group=self.groups.mp)
+
+    def _exchange(self, b: _Bucket):
+        """p2p: one packed message per (sender, reader) pair and bucket."""
+        import torch.distributed as dist
+
+        sends = {r: self._pack(keys) for r, keys in b.sends.items()}
+        recvs = {q: torch.empty(sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in
+                                    items), dtype=self.dtype, device=self.device) for q, items in b.reads.items()}
+        ops = [dist.P2POp(dist.isend, buf, r) for r, buf in sends.items()]
+        ops += [dist.P2POp(dist.irecv, buf, q) for q, buf in recvs.items()]
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        return recvs, lambda: [req.wait() for req in requests]
+
+    def _pack(self, keys: list) -> torch.Tensor:
+        buf = torch.empty(sum(self._numel(k) for k in keys), dtype=self.dtype, device=self.device)
         offset = 0
-        for p in pieces:
-            buf[offset:offset + p.numel()].view(p.shape).copy_(p)
-            offset += p.numel()
+        for key in keys:
+            src = self._span(key)
+            buf[offset:offset + src.numel()].view(src.shape).copy_(src)
+            offset += src.numel()
         return buf
 
     # ------------------------------------------------------------------ validation
@@ -385,19 +441,45 @@ class WeightSync:
         return problems
 
 
-def _span_numel(shape: tuple[int, ...], s: Span) -> int:
-    other = 1 if len(shape) == 1 else shape[1 - s.axis]
-    return s.length * other
-
-
 def _gather_layout(groups, engine) -> dict:
-    """Global rank -> (dp rank, TP rank, PP rank, rollout TP rank), gathered once over the world."""
+    """Global rank -> (dp rank, TP rank, PP rank, rollout TP rank, host), gathered once over the world."""
+    import socket
+
     import torch.distributed as dist
 
-    mine = (groups.rank, groups.dp_rank, groups.tp_rank, groups.pp_rank, engine.tp_rank, engine.tp_size)
+    mine = (groups.rank, groups.dp_rank, groups.tp_rank, groups.pp_rank, engine.tp_rank, socket.gethostname(),
+            engine.tp_size)
     every = [None] * groups.dims.world_size
     dist.all_gather_object(every, mine, group=groups.world)
-    sizes = {e[5] for e in every}
+    sizes = {e[6] for e in every}
     if len(sizes) != 1:
         raise ValueError(f"rollout engines disagree on rollout TP size {sorted(sizes)}: build them from one config")
-    return {e[0]: e[1:5] for e in every}
+    return {e[0]: e[1:6] for e in every}
+
+
+def _open_outboxes(groups, members: list[int], slot_numel: dict, dtype: torch.dtype):
+    """Each rank's two-slot outbox in /dev/shm, mapped by every rank of its model-parallel group.
+
+    The files are unlinked as soon as all ranks have mapped them: the mappings outlive the names,
+    and nothing is left behind in /dev/shm when a process dies later.
+    """
+    import os
+    import uuid
+
+    import torch.distributed as dist
+
+    token = [uuid.uuid4().hex if groups.rank == members[0] else None]
+    dist.broadcast_object_list(token, src=members[0], group=groups.mp)
+    path = lambda r: f"/dev/shm/rlstack-sync-{token[0]}-{r}"  # noqa: E731
+    boxes = {groups.rank: torch.from_file(path(groups.rank), shared=True, size=2 * slot_numel[groups.rank],
+                                          dtype=dtype)}
+    boxes[groups.rank].zero_()  # fault the pages in now, not during the first sync
+    dist.barrier(group=groups.mp)
+    page = 4096 // boxes[groups.rank].element_size()
+    for r in members:
+        if r != groups.rank:
+            boxes[r] = torch.from_file(path(r), shared=True, size=2 * slot_numel[r], dtype=dtype)
+            boxes[r][::page].sum()  # map every page of the peer's outbox into this process once
+    dist.barrier(group=groups.mp)
+    os.unlink(path(groups.rank))
+    return boxes, slot_numel

@@ -69,13 +69,14 @@ def padding_mask(batch: Batch) -> torch.Tensor:
     return (positions[None, :] < batch.lengths[:, None]).long()  # [B, S]
 
 
-def hf_logits(hf_dir: str, batch: Batch) -> torch.Tensor:
-    """transformers' float32 logits [B, S, vocab] for the batch (padding masked)."""
+def hf_logits(hf_dir: str, batch: Batch, device="cpu") -> torch.Tensor:
+    """transformers' float32 logits [B, S, vocab] for the batch (padding masked), on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
-        return model(input_ids=batch.input_ids, attention_mask=padding_mask(batch)).logits.float()
+        out = model(input_ids=batch.input_ids.to(device), attention_mask=padding_mask(batch).to(device))
+    return out.logits.float().cpu()
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor) -> float:
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     groups = init_distributed(opts.tp, opts.pp)
     try:
         batch = make_batch(hf_dir, args.vocab_size, opts.seq_len)
-        reference = hf_logits(hf_dir, batch) if groups.rank == 0 else None
+        reference = hf_logits(hf_dir, batch, groups.device) if groups.rank == 0 else None
         results = run_checks(opts, hf_dir, groups, batch, reference)
         failed = _report(results, opts.tol, groups)
     finally:

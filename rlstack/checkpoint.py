@@ -143,15 +143,20 @@ def resolve_resume(cfg) -> Optional[str]:
         return None
     if mode == "auto":
         return find_latest(checkpoint_root(cfg))
-    if not os.path.isdir(mode):
-        raise CheckpointError(f"checkpoint.resume={mode}: no such directory: pass a checkpoint directory "
-                              "(.../checkpoints/step_N or .../checkpoints), auto or never")
-    if not os.path.exists(os.path.join(mode, MARKER)) and list_checkpoints(mode):
-        found = find_latest(mode)  # a checkpoints folder: its newest complete checkpoint
-        assert found is not None
+    return resolve_path(mode, "checkpoint.resume")
+
+
+def resolve_path(path: str, what: str) -> str:
+    """`path` if it is a complete checkpoint, else the newest complete one in the checkpoints folder `path`."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{what}={path}: no such directory: pass a checkpoint directory "
+                              "(.../checkpoints/step_N) or a checkpoints folder")
+    if not os.path.exists(os.path.join(path, MARKER)) and list_checkpoints(path):
+        found = find_latest(path)
+        assert found is not None  # find_latest raises when every checkpoint is refused
         return found
-    verify_checkpoint(mode)
-    return mode
+    verify_checkpoint(path)
+    return path
 
 
 def truncate_metrics(path: str, last_step: int) -> int:
@@ -218,6 +223,15 @@ def load_role(role, path: str, with_optimizer: bool) -> None:
         _unshare_adam_steps(role.optimizer)
     elif role.optimizer is not None:
         role.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
+
+
+def load_model_weights(module, path: str) -> None:
+    """Weights only (no optimizer) of one role's dist checkpoint into a bare GPTModel stage, resharded."""
+    from megatron.core import dist_checkpointing
+
+    # Same nesting as at save time; the returned dict also holds the optimizer's common part.
+    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, path)
+    module.load_state_dict(loaded["model"], strict=True)
 
 
 def _allocate_distributed_optimizer_state(optimizer) -> None:

@@ -120,8 +120,10 @@ def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGro
 
 
 def rollout_seed(rollout_cfg: "RolloutConfig", groups: "ParallelGroups") -> int:
-    """seed + data-parallel rank; at rollout TP > 1 the ranks of one vLLM TP group must sample alike,
-    so the replica index (global rank // rollout TP) takes the data-parallel rank's place."""
-    if rollout_cfg.tp == 1:
-        return rollout_cfg.seed + groups.dp_rank
+    """seed + rollout replica index (global rank // rollout TP).
+
+    The trainer splits rollout work over all ranks by replica, so seeding by replica (not by the
+    training DP rank) makes the samples independent of the training TP/PP/DP layout; the ranks of
+    one vLLM TP group form one replica and sample alike.
+    """
     return rollout_cfg.seed + groups.rank // rollout_cfg.tp

@@ -87,9 +87,14 @@ def _round_trip_worker(hf_dir, out_dir, tp, pp):
     from rlstack.parallel import init_distributed
 
     groups = init_distributed(tp, pp)
-    read = SafetensorsReader.read
-    counted = []
-    with mock.patch.object(SafetensorsReader, "read", lambda *a: counted.append(read(*a).numel()) or read(*a)):
+    read, counted = SafetensorsReader.read, []
+
+    def counting_read(*a):
+        tensor = read(*a)
+        counted.append(tensor.numel())
+        return tensor
+
+    with mock.patch.object(SafetensorsReader, "read", counting_read):
         model, args = build_megatron_from_hf(hf_dir, groups)
     state = gather_hf_state_dict(model, args, groups)
     if groups.rank == 0:

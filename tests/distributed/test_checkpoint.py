@@ -326,3 +326,60 @@ def test_tp1_checkpoint_loads_at_new_layout(tiny_llama, tp1_checkpoint, tmp_path
     differ = run_distributed(_resume_resave_compare, 2, tiny_llama, tp1_checkpoint, str(tmp_path), tp, pp,
                              timeout=240)[0]
     assert differ == [], f"tensors changed by the reshard: {differ}"
+
+
+# ----------------------------------------------------------------------------- export through the bridge
+
+
+def _train_save_forward(hf_dir, out_dir):
+    """At TP2: train 2 steps, save, and return the actor's logits and the critic's values on a batch."""
+    import torch
+    import torch.distributed as dist
+
+    from rlstack.checkpoint import Checkpointer
+    from rlstack.parallel import init_distributed
+
+    groups = init_distributed(2, 1, backend="gloo")
+    trainer = _trainer(hf_dir, groups)
+    for _ in range(2):
+        _train_step(trainer, groups)
+    path = Checkpointer(_config(out_dir), groups).save(trainer)
+    tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(10).expand(2, 10).contiguous()
+    with torch.no_grad():
+        shard = trainer.actor.role.module(tokens, positions, None)  # [B, S, padded_vocab / tp]
+        values = trainer.critic.role.module(tokens, positions, None)  # [B, S, 1]
+    shards = [torch.empty_like(shard) for _ in range(groups.dims.tp)]
+    dist.all_gather(shards, shard.contiguous(), group=groups.tp)
+    logits = torch.cat(shards, dim=-1)[..., :trainer.actor.role.args.vocab_size]
+    return path, tokens, logits, values
+
+
+def test_export_matches_trained_models(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    path, tokens, logits, values = run_distributed(_train_save_forward, 2, tiny_llama, str(tmp_path),
+                                                   timeout=240)[0]
+    out = os.path.join(str(tmp_path), "hf_actor")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "rlstack.export", "--ckpt", os.path.dirname(path), "--out", out,
+                           "--critic"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"actor: {out}" in done.stdout and f"critic: {out}-critic" in done.stdout
+
+    actor, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    critic, info = AutoModelForTokenClassification.from_pretrained(out + "-critic", output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        hf_logits = actor.eval()(tokens).logits  # [B, S, V]
+        hf_values = critic.eval()(tokens).logits  # [B, S, 1]
+    assert (hf_logits - logits).abs().max() < 1e-4
+    assert (hf_values - values).abs().max() < 1e-4
+    assert (logits - AutoModelForCausalLM.from_pretrained(tiny_llama)(tokens).logits).abs().max() > 1e-3, \
+        "training changed the actor, so the comparison is not against the starting weights"

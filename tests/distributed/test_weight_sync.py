@@ -43,7 +43,7 @@ def _wipe(engine):
                 t.fill_(float("nan"))
 
 
-def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp):
+def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp, transport="auto"):
     import torch
 
     from megatron_bridge.hf import build_megatron_from_hf
@@ -55,7 +55,9 @@ def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp):
     model, args = build_megatron_from_hf(hf_dir, groups)
     engine = _engine(kind, hf_dir, groups, rollout_tp)
     _wipe(engine)
-    stats = WeightSync(model, args, groups, engine, bucket_mb=0.25).sync()
+    sync = WeightSync(model, args, groups, engine, bucket_mb=0.25, transport=transport)
+    assert len(sync.buckets) > 2
+    stats = sync.sync()
     diff = verify_engine(model, args, groups, engine, PROMPTS, tol=TOL)
     targets = engine.param_targets()
     finite = targets is None or all(bool(torch.isfinite(t).all()) for t in targets.values())
@@ -79,6 +81,12 @@ def test_hf_engine_sync_matches_actor(request, ckpt, tp, pp, world):
         assert r["stats"]["sync/bytes"] > 0 and r["stats"]["sync/seconds"] > 0
     if tp * pp > 1:  # every rank needs the other ranks' shards
         assert all(r["stats"]["sync/bytes_received"] > 0 for r in results)
+
+
+def test_p2p_transport_matches_actor(tiny_qwen2):
+    """The torch.distributed transport (GPUs, several hosts) on the TP2 x PP2 layout."""
+    results = run_distributed(_sync_and_verify, 4, tiny_qwen2, 2, 2, "hf", 1, "p2p", timeout=120)
+    assert all(r["finite"] and r["diff"] <= TOL for r in results), results
 
 
 @needs_vllm

@@ -1,0 +1,147 @@
+"""Training checkpoint -> HF safetensors directory, through the bridge.
+
+    python -m rlstack.export --ckpt outputs/run/checkpoints --out hf_actor [--critic]
+    torchrun --nproc_per_node=2 -m rlstack.export --ckpt ... --out ... --tp 2   # big models
+
+`--ckpt` is one checkpoint (`.../step_N`) or a checkpoints folder (its newest complete one); an
+incomplete checkpoint is refused. The actor becomes a `*ForCausalLM` directory that transformers
+loads as-is. With `--critic`, the critic becomes a `*ForTokenClassification` directory with one
+label (`score.weight` = the value head, no bias), whose per-token logits are the critic's values.
+Weights come from the checkpoint's dist-checkpoint shards, resharded on load to `--tp/--pp`
+(default 1 x 1: one process is enough); config and tokenizer files come from the copy of the
+starting HF checkpoint stored inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Optional
+
+log = logging.getLogger("rlstack")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m rlstack.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", required=True, help="checkpoint directory (step_N) or checkpoints folder")
+    parser.add_argument("--out", required=True, help="HF directory to write the actor to")
+    parser.add_argument("--critic", action="store_true", help="also export the critic (PPO runs)")
+    parser.add_argument("--critic-out", default="", help="critic HF directory (default: <out>-critic)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size to load at")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at")
+    return parser.parse_args(argv)
+
+
+def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp: int = 1, pp: int = 1,
+                      groups=None) -> dict:
+    """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
+    from rlstack.checkpoint import resolve_path
+    from rlstack.parallel import init_distributed
+
+    path = resolve_path(ckpt, "--ckpt")
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        roles = json.load(f)["roles"]
+    if critic_out and "critic" not in roles:
+        raise ValueError(f"checkpoint {path} has no critic (a GRPO run?): drop --critic")
+    groups = groups or init_distributed(tp, pp, backend="auto")
+    written = {"actor": _export_role(path, "actor", out, groups)}
+    if critic_out:
+        written["critic"] = _export_role(path, "critic", critic_out, groups)
+    return written
+
+
+def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
+    import torch.distributed as dist
+
+    from megatron_bridge.hf import gather_hf_state_dict, read_model_args, save_hf
+    from rlstack.checkpoint import HF_SOURCE, load_model_weights
+
+    source = os.path.join(path, HF_SOURCE, role)
+    args = read_model_args(source)
+    value_head = role == "critic"
+    model = _build_empty(args, groups, value_head)
+    load_model_weights(model, os.path.join(path, role))
+    if value_head:
+        # The value head replaces the LM head: export the body as if tied (no lm_head rule),
+        # then add the head as `score.weight`.
+        body_args = dataclasses.replace(args, tie_word_embeddings=True)
+        state = gather_hf_state_dict(model, body_args, groups)
+        head = _value_head_on_rank0(model, args, groups)
+        if state is not None:
+            state["score.weight"] = head
+    else:
+        state = gather_hf_state_dict(model, args, groups)
+    if state is not None:
+        save_hf(state, body_args if value_head else args, out, source)
+        if value_head:
+            _write_token_classification_config(out)
+        log.info("exported the %s of %s to %s", role, path, out)
+    dist.barrier()
+    return out if state is not None else None
+
+
+def _build_empty(args, groups, value_head: bool):
+    """One pipeline stage without initialising weights: the checkpoint fills every parameter."""
+    from rlstack.models import build_gpt, transformer_config
+
+    tp, pp = groups.dims.tp, groups.dims.pp
+    config = transformer_config(args, tp, pp)
+    return build_gpt(args, config, pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
+                     padded_vocab=args.padded_vocab_size(tp), value_head=value_head)
+
+
+def _value_head_on_rank0(model, args, groups):
+    """The value head weight [1, H] (replicated over TP) from the last pipeline stage, on every stage."""
+    import torch
+    import torch.distributed as dist
+
+    if groups.is_last_stage:
+        head = model.output_layer.weight.detach().clone()
+    else:
+        head = torch.empty((1, args.hidden_size), dtype=model.config.params_dtype, device=groups.device)
+    if groups.dims.pp > 1:
+        dist.broadcast(head, src=dist.get_global_rank(groups.pp, groups.dims.pp - 1), group=groups.pp)
+    return head.cpu()
+
+
+def _write_token_classification_config(out: str) -> None:
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    arch = config["architectures"][0].replace("ForCausalLM", "ForTokenClassification")
+    config.update(architectures=[arch], num_labels=1, id2label={"0": "VALUE"}, label2id={"VALUE": 0},
+                  token_classification_bias=False, tie_word_embeddings=False)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def main(argv=None) -> int:
+    from rlstack.observability.logging import setup_logging, user_error_guard
+
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logger = setup_logging(None, rank)
+    return user_error_guard(lambda: _run(args), rank, logger)
+
+
+def _run(args) -> int:
+    from rlstack.parallel import destroy_distributed
+
+    critic_out = (args.critic_out or args.out.rstrip("/") + "-critic") if args.critic else None
+    try:
+        written = export_checkpoint(args.ckpt, args.out, critic_out, tp=args.tp, pp=args.pp)
+    finally:
+        destroy_distributed()
+    for role, out in written.items():
+        if out:
+            print(f"{role}: {out}")
+    return 0
+
+
+if __name__ == "__main__":  # dist checkpointing spawns a process: keep the guard
+    sys.exit(main())
