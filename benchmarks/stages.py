@@ -64,44 +64,42 @@ def engine_available(kind: str) -> bool:
 
 
 def bench_engine(kind: str, cfg, hf_dir: str, g, tokenizer, prompts: list, args) -> tuple[dict, list]:
-    """Rollout tokens/s of one engine; also returns this DP rank's generations (prompt-major)."""
+    """Rollout tokens/s of one engine, the work split over rollout replicas as the trainer splits it.
+
+    Returns the figures and every generation as (prompt index, response ids), in prompt order.
+    """
     from rlstack.rollout.base import SamplingParams, build_engine
     from rlstack.workers.batch import gather_objects, split_for_rank
-    from rlstack.workers.megatron_role import all_reduce_sum
 
     r = cfg.rollout
     t0 = time.perf_counter()
     engine = build_engine(dataclasses.replace(r, engine=kind), hf_dir, g, tokenizer.eos_token_id,
                           tokenizer.pad_token_id)
     start_s = time.perf_counter() - t0
-    mp_size, mp_rank = g.dims.tp * g.dims.pp, _mp_rank(g)
-    mine = split_for_rank(list(range(len(prompts))), mp_rank, mp_size)
+    replicas, replica = g.dims.world_size // r.tp, g.rank // r.tp
+    mine = split_for_rank(list(range(len(prompts))), replica, replicas)
     params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens, seed=r.seed)
+
     counts = []
 
     def run():
         gens = engine.generate([prompts[i].input_ids for i in mine], params) if mine else []
-        counts.append(all_reduce_sum([float(sum(len(x.response_ids) for x in gens))], g.world)[0])
-        return gens
+        rows = [] if g.rank % r.tp else [(mine[x.prompt_index], x.response_ids) for x in gens]
+        rows = gather_objects(rows, g.world, g.dims.world_size)  # a replica's first rank reports for it
+        counts.append(float(sum(len(resp) for _, resp in rows)))
+        return rows
 
-    seconds, gens = timed(run, g, args.reps, args.warmup)
+    seconds, rows = timed(run, g, args.reps, args.warmup)
     tokens = counts[args.warmup:]
-    rows = gather_objects([(mine[x.prompt_index], x.response_ids) for x in gens], g.mp, mp_size)
     engine.close()  # vLLM's close leaves the training world alone (rlstack.rollout.vllm_engine)
     return {"start_s": start_s, "seconds": seconds, "tokens": tokens,
             "tok_s": [t / s for t, s in zip(tokens, seconds)],
             "decode_rows_per_rank": min(r.micro_batch_size, len(mine) * r.n)}, rows
 
 
-def _mp_rank(g) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group=g.mp) if g.dims.tp * g.dims.pp > 1 else 0
-
-
 def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, args) -> dict:
-    """Actor log-prob forward and critic value forward over this DP rank's generated batch."""
+    """Actor log-prob forward and critic value forward over this DP rank's share of the generations."""
     import torch
 
     from rlstack.trainer import DTYPES
@@ -110,7 +108,11 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     from rlstack.workers.critic import Critic
     from rlstack.workers.megatron_role import MegatronRole, all_reduce_sum
 
+    from rlstack.workers.batch import split_for_rank
+
     mbs = cfg.algorithm.micro_batch_size
+    share = set(split_for_rank(list(range(len(prompts))), g.dp_rank, g.dims.dp))
+    rows = [(i, resp) for i, resp in rows if i in share]
     prompt_ids = [prompts[i].input_ids for i, _ in rows]
     response_ids = [resp for _, resp in rows]
     batch = make_batch(prompt_ids, response_ids, tokenizer.pad_token_id, mbs, g.device)
@@ -154,10 +156,10 @@ def run(args) -> dict:
     train_set, _ = build_datasets(cfg.data, tokenizer)
     sampler = PromptSampler(len(train_set), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                             dp_rank=g.dp_rank, dp_size=g.dims.dp)
-    prompts = [train_set[i] for i in sampler.next_batch()]
+    prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step
     lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]
     result = {"threads_per_rank": threads, "world_size": g.dims.world_size, "rollout": {},
-              "prompt_len_mean": statistics.fmean(lengths), "prompts_per_rank": len(prompts)}
+              "prompt_len_mean": statistics.fmean(lengths), "prompts": len(prompts)}
     rows = None
     for kind in [k for k in args.engines.split(",") if k]:
         if not engine_available(kind):
