@@ -115,6 +115,7 @@ def run_sampled(cmd: list[str], log_path: str, launcher: bool, timeout_s: float,
         try:
             for line in proc.stdout:
                 log.write(line)
+                log.flush()  # the log can be followed while the part runs
                 if echo is not None and echo(line):
                     print("    " + line.rstrip()[:200], flush=True)
             proc.wait()

@@ -10,8 +10,9 @@ import os
 from typing import Optional
 
 README_START, README_END = "<!-- bench:cpu:start -->", "<!-- bench:cpu:end -->"
-STAGES = (("timing/sync_s", "sync"), ("timing/rollout_s", "rollout"), ("timing/score_s", "score"),
-          ("timing/update_s", "update"), ("timing/other_s", "other"))
+STAGES = (("timing/sync_s", "sync (weights into the engine)"), ("timing/rollout_s", "rollout (generation)"),
+          ("timing/score_s", "score (rewards, batch)"),
+          ("timing/update_s", "update (log-probs, advantages, training)"), ("timing/other_s", "other"))
 
 
 # ---------------------------------------------------------------- number formats

@@ -35,7 +35,8 @@ from benchmarks.procs import run_sampled, tail  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
+    p.add_argument("--config", help="experiment YAML (yaml_configs/*.yaml)")
+    p.add_argument("--rerender", default="", help="re-render the table/chart of a results .json; runs nothing")
     p.add_argument("overrides", nargs="*", help="section.key=value, passed to the trainer and the stages")
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs present, else 2)")
     p.add_argument("--steps", type=int, default=4, help="trainer steps; the first is warm-up")
@@ -158,6 +159,11 @@ def _failure(part: str, r) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rerender:
+        with open(args.rerender) as f:
+            return publish(json.load(f)["results"], args.out_dir)
+    if not args.config:
+        raise SystemExit("benchmarks/run.py: --config is required (or --rerender RESULTS.json)")
     from rlstack.config import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -176,8 +176,12 @@ def prepare(opts) -> str:
 
 
 def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
-    mode = prepare(opts)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    try:
+        mode = prepare(opts)
+    except ValueError as e:  # a user mistake: one line naming the fix, exit status 2
+        parser.error(str(e))
     world = opts.tp * opts.pp
     if "WORLD_SIZE" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != world:

@@ -150,13 +150,17 @@ def run_checks(opts, hf_dir: str, groups, batch: Batch, reference) -> dict[str, 
 
 
 def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
     from rlstack.parallel import ParallelDims, destroy_distributed, init_distributed
 
-    hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
-    args = read_model_args(hf_dir)
-    check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
+    try:  # user mistakes surface before any process group starts: one line naming the fix
+        hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
+        args = read_model_args(hf_dir)
+        check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
+    except ValueError as e:
+        parser.error(str(e))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = init_distributed(opts.tp, opts.pp)
     try:

@@ -10,7 +10,7 @@ and drops finished rows from the batch (and its KV cache) as they stop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -27,7 +27,6 @@ class _Counters:
     tokens: int = 0
     sequences: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class HFEngine(RolloutEngine):

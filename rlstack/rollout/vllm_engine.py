@@ -82,9 +82,10 @@ class VLLMEngine(RolloutEngine):
         params.validate()
         # No per-request seed: a seeded request samples the same tokens for the same prompt at every
         # step. vLLM's generator is seeded once per engine (LLM(seed=...)) and advances across calls.
+        greedy = params.greedy
         vparams = VSamplingParams(
-            n=params.n, temperature=0.0 if params.greedy else params.temperature,
-            top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy or params.top_k < 0 else params.top_k,
+            n=params.n, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 = off
             max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
             # Stop on our eos only (as the hf engine does), not on generation_config.json's eos list.
             ignore_eos=True, stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
@@ -139,7 +140,7 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
     _patch_shutdown()
     max_model_len = _max_model_len(hf_dir, cfg, max_prompt_len)
     kwargs = dict(
-        model=hf_dir, tokenizer=hf_dir, skip_tokenizer_init=True, seed=seed, tensor_parallel_size=cfg.tp,
+        model=hf_dir, tokenizer=hf_dir, seed=seed, tensor_parallel_size=cfg.tp,
         max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
         dtype="float32" if not on_gpu else "auto",
     )
