@@ -60,11 +60,16 @@ def measured_steps(rows: list[dict], warmup: int) -> list[dict]:
     return steps[warmup:]
 
 
-def trainer_figures(results: dict) -> dict:
+def trainer_rows(results: dict) -> list[dict]:
+    """Measured steps; a trainer that failed late still gives the steps it finished."""
     tr = results.get("trainer", {})
-    if not _ok(tr):
+    return measured_steps(tr.get("steps", []), results["setup"].get("warmup_steps", 1))
+
+
+def trainer_figures(results: dict) -> dict:
+    rows = trainer_rows(results)
+    if not rows:
         return {}
-    rows = measured_steps(tr.get("steps", []), results["setup"].get("warmup_steps", 1))
     out = {k: stat([r[k] for r in rows if k in r]) for k in TRAINER_KEYS}
     other = [r["timing/step_s"] - sum(r.get(k, 0.0) for k in STAGE_KEYS) for r in rows]
     out["timing/other_s"] = stat(other)
@@ -121,9 +126,7 @@ def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], 
 
 def _sync_figures(c: dict, results: dict) -> dict:
     """Sync bytes/s over memcpy bytes/s, per rank (sync/* are rank 0's; ranks copy at the same time)."""
-    tr = results.get("trainer", {})
-    rows = measured_steps(tr.get("steps", []), results["setup"].get("warmup_steps", 1)) if _ok(tr) else []
-    rows = [r for r in rows if r.get("sync/seconds", 0) > 0 and r.get("sync/bytes", 0) > 0]
+    rows = [r for r in trainer_rows(results) if r.get("sync/seconds", 0) > 0 and r.get("sync/bytes", 0) > 0]
     if not rows:
         return {}
     memcpy = c["memcpy_bytes_per_s"]

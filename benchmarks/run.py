@@ -71,10 +71,12 @@ def run_trainer(args, setup: dict, env: dict) -> dict:
                     env=env, cwd=ROOT, echo=echo_line)
     result = {"memory": r.memory.as_dict(), "wall_s": r.wall_s, "log": r.log_path, "command": " ".join(cmd)}
     path = os.path.join(out, "metrics.jsonl")
-    if r.returncode != 0 or not os.path.isfile(path):
-        return {**result, "error": _failure("trainer", r)}
-    with open(path) as f:
-        result["steps"] = [json.loads(line) for line in f if line.strip()]
+    if os.path.isfile(path):  # a run that dies late keeps its finished steps (each line is flushed)
+        with open(path) as f:
+            result["steps"] = [json.loads(line) for line in f if line.strip()]
+    if r.returncode != 0:
+        done = len([s for s in result.get("steps", []) if "timing/step_s" in s])
+        result["error"] = f"{_failure('trainer', r)} after {done} of {args.steps} steps"
     return result
 
 

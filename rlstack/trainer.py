@@ -169,8 +169,9 @@ class Trainer:
         cfg, a, g = self.cfg, self.cfg.algorithm, self.groups
         mbs = a.micro_batch_size
         metrics = {}
-        batch["old_logprob"] = compute_logprobs(self.actor.role, batch, mbs)
-        metrics.update(self._engine_agreement(batch))
+        if not self._on_policy():
+            batch["old_logprob"] = compute_logprobs(self.actor.role, batch, mbs)
+            metrics.update(self._engine_agreement(batch))
         if self.ref is not None:
             batch["ref_logprob"] = compute_logprobs(self.ref, batch, mbs)
         if self.critic is not None:
@@ -202,6 +203,11 @@ class Trainer:
             metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         return metrics
 
+    def _on_policy(self) -> bool:
+        """One epoch over one mini-batch: the policy that sampled is the one being updated."""
+        a = self.cfg.algorithm
+        return a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward
+
     def _engine_agreement(self, batch: dict) -> dict:
         """How far the rollout engine's log-probs are from the actor's: a stale or wrong sync shows here."""
         mask = batch["resp_mask"]
@@ -210,7 +216,7 @@ class Trainer:
         total, count = all_reduce_sum([float(diff.sum()), float(mask.sum())], self.groups.dp)
         t = torch.tensor([local_max])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world)
-        return {"rollout/logprob_diff_mean": total / max(count, 1.0), "rollout/logprob_diff_max": t.item()}
+        return {"actor/rollout_diff": total / max(count, 1.0), "actor/rollout_diff_max": t.item()}
 
     def _train_throughput(self, batch: dict, actor_s: float, critic_s: float) -> dict:
         """Tokens (prompt + response, all DP ranks) trained per second, per role."""

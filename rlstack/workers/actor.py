@@ -58,13 +58,21 @@ class Actor:
         def loss_fn(mb, logits):
             logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True)
             mask = mb["resp_mask"]
-            pg, pg_stats = policy_loss(mb["old_logprob"], logprob, mb["advantages"], mask, a.clip_ratio_low,
+            # On-policy (one epoch, one mini-batch) the update's own forward gives the old log-probs:
+            # no separate forward pass, and the engine's log-probs are checked against it here.
+            on_policy = "old_logprob" not in mb
+            old = logprob.detach() if on_policy else mb["old_logprob"]
+            pg, pg_stats = policy_loss(old, logprob, mb["advantages"], mask, a.clip_ratio_low,
                                        a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
             loss = pg
             ntok = mask.sum()
             stats = {"actor/pg_loss": pg.detach(), "actor/entropy_sum": (entropy.detach() * mask).sum(),
                      "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok, "actor/tokens": ntok,
                      "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok}
+            if on_policy and "rollout_logprob" in mb:
+                diff = (logprob.detach() - mb["rollout_logprob"]).abs() * mask
+                stats["actor/rollout_diff_sum"] = diff.sum()
+                stats["actor/rollout_diff_max"] = diff.max()
             if a.use_kl_loss and "ref_logprob" in mb:
                 kl, kl_stats = kl_loss(logprob, mb["ref_logprob"], mask, a.kl_loss_type, a.loss_agg_mode, **counts)
                 loss = loss + a.kl_loss_coef * kl

@@ -9,7 +9,7 @@ from rlstack.parallel import ParallelGroups
 
 # `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
 # normalised by the global counts, so their sum over micro-batches and DP ranks is the mini-batch loss.
-_TOKEN_SUMS = ("entropy", "clipfrac", "kl", "approx_kl")
+_TOKEN_SUMS = ("entropy", "clipfrac", "kl", "approx_kl", "rollout_diff")
 _LOSSES = ("loss", "pg_loss")
 
 
@@ -35,4 +35,13 @@ def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, pr
         value = per_dp[len(_LOSSES) + j].item()
         if tokens > 0 and value != 0.0:
             out[f"{prefix}/{name}"] = value / tokens
+    out.update(_max_stats(stats, groups, prefix))
     return {k: v for k, v in out.items() if not (k.endswith("pg_loss") and prefix == "critic")}
+
+
+def _max_stats(stats: list[dict], groups: ParallelGroups, prefix: str) -> dict:
+    """`<prefix>/<name>_max` stats: the maximum over micro-batches and ranks."""
+    key = f"{prefix}/rollout_diff_max"
+    local = torch.tensor([max((float(s[key]) for s in stats if key in s), default=-1.0)])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=groups.world)
+    return {key: local.item()} if local.item() >= 0 else {}

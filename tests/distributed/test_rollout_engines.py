@@ -49,6 +49,17 @@ def test_sample_next_logprobs_are_temperature_one():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_sampler_draws_from_the_filtered_distribution():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    logits = torch.log(probs).expand(200_000, 6).contiguous()
+    for params, want in ((SamplingParams(), probs), (SamplingParams(top_k=2), torch.tensor([0, 0, 0, 3 / 7, 4 / 7, 0])),
+                         (SamplingParams(temperature=0.5), probs ** 2 / (probs ** 2).sum())):
+        tokens, _ = sample_next(logits, params, gen)
+        freq = torch.bincount(tokens, minlength=6).double() / tokens.numel()
+        torch.testing.assert_close(freq, want.double(), rtol=0, atol=0.005)
+
+
 def test_sampling_params_validation():
     for bad in (SamplingParams(n=0), SamplingParams(temperature=0.0), SamplingParams(top_p=0.0),
                 SamplingParams(top_k=0), SamplingParams(max_new_tokens=0)):

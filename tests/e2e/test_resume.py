@@ -127,12 +127,16 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert sorted(os.listdir(root)) == ["latest", "step_00000005", "step_00000006"]  # keep_last=2
 
 
-def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> list[str]:
-    """Keys whose values differ beyond float tolerance (engine-vs-actor log-prob gaps left out)."""
+LAYOUT_DEPENDENT = ("sync/", "rollout/logprob_diff")  # bytes moved per layout; ~1e-7 engine-vs-actor noise
+
+
+def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:
+    """Keys whose values differ beyond float tolerance. `atol` covers the policy-gradient loss, a sum
+    of advantage-weighted ratios that cancels to ~1e-7..1e-6, where any reduction order shows."""
     bad = sorted(set(a) ^ set(b))
     for key in set(a) & set(b):
-        if key.startswith("rollout/logprob_diff"):
-            continue  # ~1e-7 either way: float noise of the TP reduction order, not a training metric
+        if key.startswith(LAYOUT_DEPENDENT):
+            continue
         x, y = a[key], b[key]
         if isinstance(x, (int, float)) and isinstance(y, (int, float)):
             if abs(x - y) > atol + rtol * abs(y):

@@ -29,7 +29,7 @@ def test_tiny_reward_rises(tmp_path, algo, overrides):
     if algo == "ppo":
         assert rows[-1]["critic/loss"] < rows[0]["critic/loss"]
     # the rollout engine samples from the actor's current weights (in-place sync works)
-    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+    assert max(r["actor/rollout_diff_max"] for r in rows) < 1e-4
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]])

@@ -203,3 +203,12 @@ def test_bench_venv_is_not_reinstalled_when_stamped(tmp_path):
     (tmp_path / STAMP).write_text("stamped")
     python, reason = ensure_bench_venv(str(tmp_path))
     assert python == str(tmp_path / "bin" / "python") and reason == ""
+
+
+def test_a_trainer_that_died_late_keeps_its_finished_steps():
+    results = _results()
+    results["trainer"]["error"] = "trainer exit code -9 (log x) after 3 of 4 steps"
+    f = analysis.derive(results)
+    assert f["timing/step_s"]["median"] == 11.0
+    text = report.render_markdown(results, f)
+    assert "- trainer: trainer exit code -9 (log x) after 3 of 4 steps" in text
