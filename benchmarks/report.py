@@ -110,11 +110,15 @@ def _memory_rows(results: dict, f: dict) -> list[str]:
     return rows
 
 
-def failure_notes(results: dict) -> list[str]:
-    """One line per part that failed: its figures are missing or partial."""
+def run_notes(results: dict) -> list[str]:
+    """A line per part that failed (its figures are missing or partial), and parts reused from a run."""
     notes = [f"- {part}: {results[part]['error']}" for part in ("trainer", "stages", "ceilings", "trl")
              if isinstance(results.get(part), dict) and "error" in results[part]]
-    return ["", "Failures (figures from these parts are missing or partial):", *notes] if notes else []
+    out = ["", "Failures (figures from these parts are missing or partial):", *notes] if notes else []
+    if results.get("reused"):
+        r = results["reused"]
+        out += ["", f"Parts taken from an earlier run ({r['from']}): {', '.join(r['parts'])}."]
+    return out
 
 
 def trl_table(results: dict, f: dict) -> list[str]:
@@ -178,8 +182,9 @@ def render_markdown(results: dict, f: dict) -> str:
            f"{s['threads_per_rank']} threads, rollout engine `{s['engine']}`. {s['steps']} steps, the first "
            f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed "
            "repetitions.",
-           "", *main_table(results, f), *failure_notes(results), "", "## Side by side with TRL", "", *trl_table(results, f), "",
-           "## Targets", "", *targets_table(f), "", "## Machine ceilings", "", *ceilings_table(results), "",
+           "", *main_table(results, f), *run_notes(results), "",
+           "## Side by side with TRL", "", *trl_table(results, f), "", "## Targets", "", *targets_table(f), "",
+           "## Machine ceilings", "", *ceilings_table(results), "",
            "## FLOP floor of one step", "", *floor_table(f), "", "## Machine and versions", ""]
     out += [f"- {k}: {v}" for k, v in {**results["machine"], **results["versions"]}.items()]
     out += ["", f"Command: `{results['command']}`", ""]

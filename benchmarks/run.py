@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
     p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
+    p.add_argument("--reuse", default="", help="results .json of an earlier run of the same config: the parts "
+                   "named in --skip are taken from it (noted in the table)")
     p.add_argument("--bench-venv", default=os.path.join(ROOT, ".venv-bench"), help="TRL's environment")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work-dir", default=os.path.join(ROOT, "outputs", "bench"), help="logs and run outputs")
@@ -144,7 +146,7 @@ def run_trl(args, setup: dict, cfg) -> dict:
            "--threads", str(setup["nproc"] * setup["threads_per_rank"]), "--output-dir", out, "--json", path]
     if cfg.model.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"])}
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
     r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60,
                     env=env, cwd=ROOT, echo=lambda line: "'step_time'" in line or "Error" in line)
     if r.returncode != 0 or not os.path.isfile(path):
@@ -157,6 +159,16 @@ def _failure(part: str, r) -> str:
     what = f"timed out after {r.wall_s:.0f} s" if r.timed_out else f"exit code {r.returncode}"
     print(f"{part} failed ({what}); log {r.log_path}:\n{tail(r.log_path)}", flush=True)
     return f"{part} {what} (log {os.path.relpath(r.log_path, ROOT)})"
+
+
+def _load_reuse(path: str, config_name: str) -> dict:
+    if not path:
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)["results"]
+    if earlier["config_name"] != config_name:
+        raise SystemExit(f"--reuse {path} holds a run of {earlier['config_name']}, not {config_name}")
+    return earlier
 
 
 def main(argv=None) -> int:
@@ -172,7 +184,8 @@ def main(argv=None) -> int:
     setup = environment.describe_setup(args, cfg)
     skip = set(filter(None, args.skip.split(",")))
     load_at_start = os.getloadavg()
-    env = {**os.environ, "OMP_NUM_THREADS": str(setup["threads_per_rank"]), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup["threads_per_rank"]), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}  # logs and progress lines as they happen
     results = {"config": args.config, "config_name": setup["config_name"], "date": datetime.date.today().isoformat(),
                "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/run.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
@@ -181,9 +194,13 @@ def main(argv=None) -> int:
              ("stages", lambda: run_stages(args, setup, env)),
              ("ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)),
              ("trl", lambda: run_trl(args, setup, cfg)))
+    reused = _load_reuse(args.reuse, setup["config_name"])
     for name, fn in parts:
         if name in skip:
-            results[name] = {"skipped": "--skip " + name}
+            results[name] = reused.get(name) or {"skipped": "--skip " + name}
+            if name in reused:
+                results.setdefault("reused", {"from": os.path.relpath(args.reuse, ROOT), "parts": []})
+                results["reused"]["parts"].append(name)
             continue
         print(f"== {name}", flush=True)
         results[name] = fn()

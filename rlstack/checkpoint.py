@@ -36,7 +36,6 @@ LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 HF_SOURCE = "hf_source"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 # The distributed optimizer's `fully_reshardable` format stores every optimizer tensor in the shape
 # of its parameter, so it reshards across TP/PP/DP like the weights. (Its default in megatron-core
 # 0.16.1, `fully_sharded_model_space`, raises "ShardedTensor.flattened_range is not supported";
@@ -413,9 +412,12 @@ class Checkpointer:
             json.dump(state, f, indent=1)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(to_yaml(self.cfg))
+        from megatron_bridge.hf import copy_side_files
+
         sources = {"actor": trainer.hf_dir, "critic": self.cfg.model.critic_path or trainer.hf_dir}
-        for name in roles:
-            copy_hf_metadata(sources[name], os.path.join(tmp, HF_SOURCE, name))
+        for name in roles:  # config + tokenizer (no weights): what export needs besides the shards
+            os.makedirs(os.path.join(tmp, HF_SOURCE, name))
+            copy_side_files(sources[name], os.path.join(tmp, HF_SOURCE, name))
 
     def _publish(self, tmp: str, final: str) -> None:
         if os.path.exists(final):  # a re-run of this step after a resume from an older checkpoint
@@ -512,13 +514,3 @@ def _check_compatible(path: str, state: dict, roles: dict) -> None:
         if diff:
             raise CheckpointError(f"checkpoint {path} holds a different {name} model ({diff}, as saved vs now): "
                                   "resume with the same model.path or set checkpoint.resume=never")
-
-
-def copy_hf_metadata(src: str, dst: str) -> None:
-    """Copy the config and tokenizer files (not the weights) of an HF directory."""
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        full = os.path.join(src, name)
-        if os.path.isfile(full) and not name.endswith(_WEIGHT_SUFFIXES) and not name.startswith("."):
-            if not name.endswith(".index.json"):
-                shutil.copy2(full, os.path.join(dst, name))

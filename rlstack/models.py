@@ -146,7 +146,32 @@ def build_gpt(args: ModelArgs, config, pre_process: bool, post_process: bool, pa
     )
     if value_head and post_process:
         model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
+    mark_tensor_parallel_(model)
     return model
+
+
+def mark_tensor_parallel_(model) -> None:
+    """Give TP-split weights megatron's `tensor_model_parallel` attributes.
+
+    Megatron's layers set them while initialising (tensor_parallel/layers.py
+    `_initialize_affine_weight_*`); with `perform_initialization=False` (weights come from the
+    bridge) they are missing, and the gradient norm (hence clipping) would count only TP rank 0's
+    shards (optimizer/clip_grads.py via `param_is_not_tensor_parallel_duplicate`).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            params = [module.weight, getattr(module, "bias", None)]  # column bias is split too
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            params, dim = [module.weight], 1  # a row-parallel bias is replicated
+        else:
+            continue
+        for p in params:
+            if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(p, True, dim, 1)
 
 
 class ValueHead(torch.nn.Module):

@@ -58,10 +58,12 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     stats = role.run(micro, loss_fn, forward_only=False)
     loss = all_reduce_sum([sum(float(s["loss"]) for s in stats)], g.world)[0] / tp
     grads = _gathered_grads(role, g)
-    ok, _, _ = role.optimizer.step()
+    ok, grad_norm, _ = role.optimizer.step()
     assert ok
     weights = gather_hf_state_dict(role.module, role.args, g)
-    return {"loss": loss, "grads": grads, "weights": weights} if g.rank == 0 else None
+    if g.rank != 0:
+        return None
+    return {"loss": loss, "grads": grads, "weights": weights, "grad_norm": float(grad_norm)}
 
 
 def _gathered_grads(role, g):
@@ -86,6 +88,8 @@ def reference(tiny_llama):
 
 def _assert_close(result, reference, atol=1e-5, kinds=("grads", "weights")):
     assert abs(result["loss"] - reference["loss"]) < atol, (result["loss"], reference["loss"])
+    # megatron's norm (what clipping uses) counts every TP shard once
+    assert abs(result["grad_norm"] - reference["grad_norm"]) < 1e-5 * max(1.0, reference["grad_norm"])
     for kind in kinds:
         assert result[kind].keys() == reference[kind].keys()
         for name, expected in reference[kind].items():
@@ -120,3 +124,5 @@ def test_reference_step_changes_weights(tiny_llama, reference):
     moved = max((reference["weights"][k] - v).abs().max().item() for k, v in original.items())
     assert moved > 1e-4  # the step is real, so the equalities above are not vacuous
     assert reference["loss"] > 0
+    full_norm = sum(g.double().pow(2).sum() for g in reference["grads"].values()).sqrt().item()
+    assert abs(reference["grad_norm"] - full_norm) < 1e-5 * full_norm

@@ -84,8 +84,8 @@ def test_hf_engine_sync_matches_actor(request, ckpt, tp, pp, world):
 
 
 def test_p2p_transport_matches_actor(tiny_qwen2):
-    """The torch.distributed transport (GPUs, several hosts) on the TP2 x PP2 layout."""
-    results = run_distributed(_sync_and_verify, 4, tiny_qwen2, 2, 2, "hf", 1, "p2p", timeout=120)
+    """The torch.distributed transport (GPUs, several hosts), across pipeline stages."""
+    results = run_distributed(_sync_and_verify, 2, tiny_qwen2, 1, 2, "hf", 1, "p2p", timeout=120)
     assert all(r["finite"] and r["diff"] <= TOL for r in results), results
 
 

@@ -4,51 +4,33 @@
    with `checkpoint.resume=auto`, logs steps 4-6 with exactly the metrics of an uninterrupted run
    (timings aside). Before the restart, a marker-less step 4 and a truncated step 5 are planted next
    to the real step 3: auto refuses both, says why, and falls back to step 3.
-2. New layout: a TP1 x PP2 checkpoint of step 3 of a PPO run (actor, critic with its value head,
-   both optimizers) resumed at TP2 x PP1 continues with the metrics of
-   the uninterrupted TP1 x PP2 run within float tolerance. (Both layouts have one data-parallel
-   rank, and each physical rank rolls out the same prompts with the same seed, so the samples agree;
-   from DP2 to TP2 the per-DP-rank sampling seeds would differ.)
+2. New layout: the TP1 x DP2 checkpoint of step 3 of a PPO run (actor, critic with its value head,
+   both optimizers) resumed at TP2 x DP1 continues with the metrics of the uninterrupted TP1 run
+   within float tolerance (rollouts are split and seeded by rollout replica, not by the training
+   layout, so both sample the same responses).
 """
 
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = "yaml_configs/tiny_cpu.yaml"
+from tests.dist_utils import free_port
+from tests.e2e.runs import ROOT, torchrun_train
+
+STEPS = "trainer.total_steps=6"
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds")  # wall-clock and memory readings
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _command(out_dir: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-            "-m", "rlstack.train", "--config", CONFIG, f"trainer.output_dir={out_dir}", "trainer.total_steps=6",
-            *overrides]
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-
-
 def _train(out_dir: str, *overrides: str) -> str:
-    done = subprocess.run(_command(out_dir, *overrides), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout + done.stderr
+    proc = torchrun_train(out_dir, [STEPS, *overrides], timeout=300)
+    return proc.stdout + proc.stderr
 
 
 def _metrics(out_dir: str) -> dict[int, dict]:
@@ -62,14 +44,17 @@ def _metrics(out_dir: str) -> dict[int, dict]:
 
 
 def _kill_during_step_4(out_dir: str) -> None:
-    """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL its process group."""
+    """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL all its processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out_dir}", STEPS,
+           "checkpoint.save_every=1"]
     latest = os.path.join(out_dir, "checkpoints", "latest")
-    with open(os.path.join(out_dir + ".killed.log"), "w") as log:
-        proc = subprocess.Popen(_command(out_dir, "checkpoint.save_every=1"), cwd=ROOT, env=_env(),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out_dir + ".killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.time() + 240
-            while not (os.path.exists(latest) and open(latest).read().strip() == "step_00000003"):
+            while _read(latest) != "step_00000003":
                 assert proc.poll() is None, f"the run ended before step 3 (exit {proc.returncode})"
                 assert time.time() < deadline, "no checkpoint of step 3 within 240 s"
                 time.sleep(0.02)
@@ -77,6 +62,14 @@ def _kill_during_step_4(out_dir: str) -> None:
         finally:
             _kill_tree(proc.pid)
             proc.wait()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def _kill_tree(pid: int) -> None:
@@ -146,9 +139,9 @@ def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5) -> list[str
     return bad
 
 
-def test_pp2_checkpoint_resumes_at_tp2(tmp_path):
-    reference = str(tmp_path / "pp2")
-    _train(reference, "algorithm.name=ppo", "parallel.pp=2", "checkpoint.save_every=3", "checkpoint.keep_last=0")
+def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
+    reference = str(tmp_path / "tp1")
+    _train(reference, "algorithm.name=ppo", "checkpoint.save_every=3", "checkpoint.keep_last=0")
     expected = _metrics(reference)
     step3 = os.path.join(reference, "checkpoints", "step_00000003")
 
@@ -159,5 +152,8 @@ def test_pp2_checkpoint_resumes_at_tp2(tmp_path):
     assert "resume at a new layout" in output  # RNG streams are per rank: not restored across layouts
     resumed = _metrics(run)
     assert sorted(resumed) == [4, 5, 6]
+    # If actor/grad_norm and then critic/loss diverge: TP-sharded weights built without
+    # initialisation lack megatron's `tensor_model_parallel` attributes, so the grad norm (and the
+    # clipping) counts only TP rank 0's shards (docs/checkpoint.md, last item).
     for step in (4, 5, 6):
         assert not _close(resumed[step], expected[step]), (step, _close(resumed[step], expected[step]))
