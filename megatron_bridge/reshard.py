@@ -254,7 +254,9 @@ class WeightSync:
         one_host = len({peers[r][4] for r in members}) == 1
         if transport == "shm" and not (one_host and self.device.type == "cpu"):
             raise ValueError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
-        self.shm = transport == "shm" or (transport == "auto" and one_host and self.device.type == "cpu")
+        # A group of one (training TP1 x PP1) copies locally only: no transport at all.
+        self.shm = len(members) > 1 and (transport == "shm" or (transport == "auto" and one_host
+                                                                 and self.device.type == "cpu"))
         self.buckets, slot_numel = self._schedule(peers, members, int(bucket_mb * (1 << 20)))
         self.boxes, self.slot_numel = _open_outboxes(groups, members, slot_numel, self.dtype) if self.shm else ({}, {})
         self.last: Optional[SyncStats] = None

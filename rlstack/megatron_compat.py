@@ -1,0 +1,71 @@
+"""megatron-core 0.16.1 distributed-optimizer workarounds for torch Adam (no TE/Apex).
+
+Without Transformer Engine or Apex, megatron's DistributedOptimizer wraps `torch.optim.AdamW`,
+whose per-parameter `step` state its checkpoint code does not expect. Each function cites its call
+site; all are exercised by tests/distributed/test_checkpoint.py (resume into a fresh optimizer,
+then a bit-identical next step). Unlike `cpu_compat`, these apply on GPUs without TE/Apex too.
+"""
+
+from __future__ import annotations
+
+
+def allocate_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state, which load then overwrites.
+
+    megatron-core 0.16.1 `DistributedOptimizer.state_dict()` reads Adam's `step` from the torch
+    optimizer's per-parameter state when TE/Apex are absent (distrib_optimizer.py, `assert
+    len(steps) == 1`): a torch Adam that never stepped has none. One zero-gradient step allocates it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+    patch_torch_adam_step_on_load()
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor again.
+
+    megatron-core 0.16.1 `DistributedOptimizer.load_state_dict` (torch Adam, no TE/Apex) puts one
+    `step` tensor object into every parameter's state; torch Adam increments each in place, so
+    the shared counter would advance once per parameter per step and bias-correct wrongly.
+    """
+    seen = set()
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for state in opt.optimizer.state.values():
+            step = state.get("step")
+            if step is None or not hasattr(step, "clone"):
+                continue
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(state["step"]))
+
+
+def patch_torch_adam_step_on_load() -> None:
+    """Let the distributed optimizer load `fully_reshardable` state into torch Adam (no TE/Apex).
+
+    megatron-core 0.16.1 `DistributedOptimizer._set_main_param_and_optimizer_states` copies every key
+    of a parameter's Adam state, which for torch Adam includes `step`; `load_parameter_state_from_
+    fully_reshardable` supplies no `step` (load_state_dict already set it from param_groups), so the
+    load dies with KeyError 'step'. Copy the keys supplied instead; `step` stays as already loaded.
+    """
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if dopt.HAVE_APEX_OR_TE or getattr(cls, "_rlstack_step_patch", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        assert set(tensors) == set(dst) - {"step"}, (sorted(tensors), sorted(dst))
+        for key, value in tensors.items():
+            dst[key].copy_(value)
+
+    cls._set_main_param_and_optimizer_states = set_states
+    cls._rlstack_step_patch = True
