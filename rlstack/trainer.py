@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rlstack.algorithms import build_kl_controller, compute_advantages, place_at_last_token
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
+from rlstack.observability.progress import progress
 from rlstack.parallel import ParallelGroups
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
@@ -127,13 +128,23 @@ class Trainer:
         params = SamplingParams(n=1 if greedy else r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, greedy=greedy,
                                 seed=r.seed + 7919 * self.step)  # reseeded per step: resume is exact
-        local = self.engine.generate([prompts[i].input_ids for i in mine], params) if mine else []
-        rows = [(mine[x.prompt_index], x.response_ids, x.logprobs, x.finish_reason) for x in local]
+        rows = []
+        for chunk in progress(self._chunks(mine, params.n), desc="validate" if greedy else "rollout",
+                              enabled=self.cfg.logging.progress, rank=g.rank, unit="batch"):
+            local = self.engine.generate([prompts[i].input_ids for i in chunk], params)
+            rows += [(chunk[x.prompt_index], x.response_ids, x.logprobs, x.finish_reason) for x in local]
         if g.rank % r.tp:
             rows = []  # the replica's first rank reports for the whole replica
         rows = gather_objects(rows, g.world, g.dims.world_size)
         n_tokens = float(sum(len(x[1]) for x in rows))
         return rows, n_tokens
+
+    def _chunks(self, items: list, n: int) -> list[list]:
+        """hf engine: one micro-batch of sequences per call (a progress tick each); vLLM batches all."""
+        if not items:
+            return []
+        size = len(items) if self.cfg.rollout.engine == "vllm" else max(1, self.cfg.rollout.micro_batch_size // n)
+        return [items[i:i + size] for i in range(0, len(items), size)]
 
     def _dp_shard(self, prompts: list, rows: list):
         """This data-parallel rank's contiguous share of the prompts, and their generations."""

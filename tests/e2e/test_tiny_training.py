@@ -70,3 +70,20 @@ def test_golden_metrics_reproduced(tmp_path):
     with open(GOLDEN) as f:
         golden = [json.loads(line) for line in f]
     assert rows == golden
+
+
+def test_trackers_plot_and_memory_warning(tmp_path):
+    import glob
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "obs")
+    proc = torchrun_train(out, ["trainer.total_steps=2", "logging.trackers=[console,jsonl,tensorboard]",
+                                "logging.memory_warn_fraction=0.0001"])
+    text = proc.stdout + proc.stderr
+    assert "WARNING" in text and "memory" in text.lower()
+    assert len(train_steps(read_metrics(out))) == 2
+    assert glob.glob(os.path.join(out, "**", "events.out.tfevents.*"), recursive=True)
+    subprocess.run([sys.executable, "-m", "rlstack.plot", out], cwd=ROOT, check=True, capture_output=True)
+    pngs = glob.glob(os.path.join(out, "**", "*.png"), recursive=True)
+    assert any("reward" in os.path.basename(p) for p in pngs), pngs
