@@ -48,12 +48,13 @@ def _tree_memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int]:
 
 
 class MemorySampler(threading.Thread):
-    """Samples the ranks of `pid` every `interval_s` until stop()."""
+    """Samples the ranks of `pid` every `interval_s` until stop(); PSS (which reads smaps, slower) on every
+    `pss_every`-th sample, so the sampler itself takes little of a small machine's cores."""
 
-    def __init__(self, pid: int, launcher: bool, interval_s: float = 0.5, with_pss: bool = True):
+    def __init__(self, pid: int, launcher: bool, interval_s: float = 0.5, with_pss: bool = True, pss_every: int = 4):
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
-        self.launcher, self.interval_s, self.with_pss = launcher, interval_s, with_pss
+        self.launcher, self.interval_s, self.with_pss, self.pss_every = launcher, interval_s, with_pss, pss_every
         self._stop_event = threading.Event()
         self._rank_peak: dict[int, int] = {}
         self.peaks = MemoryPeaks()
@@ -71,8 +72,9 @@ class MemorySampler(threading.Thread):
 
     def sample(self) -> None:
         total_rss = total_pss = 0
+        with_pss = self.with_pss and self.peaks.samples % self.pss_every == 0
         for rank in self._ranks():
-            rss, pss = _tree_memory(rank, self.with_pss)
+            rss, pss = _tree_memory(rank, with_pss)
             self._rank_peak[rank.pid] = max(self._rank_peak.get(rank.pid, 0), rss)
             total_rss, total_pss = total_rss + rss, total_pss + pss
         p = self.peaks

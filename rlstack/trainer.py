@@ -64,7 +64,7 @@ class Trainer:
                      adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
         recompute = cfg.model.gradient_checkpointing
         self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=OptimSettings(lr=a.actor_lr, **optim),
-                                        recompute=recompute), a)
+                                        recompute=recompute), a, temperature=cfg.rollout.temperature)
         self.ref = MegatronRole(self.hf_dir, g, dtype) if self.needs_reference else None
         self.critic = None
         if a.name == "ppo":
@@ -181,10 +181,10 @@ class Trainer:
         mbs = a.micro_batch_size
         metrics = {}
         if not self._on_policy():
-            batch["old_logprob"] = compute_logprobs(self.actor.role, batch, mbs)
+            batch["old_logprob"] = compute_logprobs(self.actor.role, batch, mbs, self.cfg.rollout.temperature)
             metrics.update(self._engine_agreement(batch))
         if self.ref is not None:
-            batch["ref_logprob"] = compute_logprobs(self.ref, batch, mbs)
+            batch["ref_logprob"] = compute_logprobs(self.ref, batch, mbs, self.cfg.rollout.temperature)
         if self.critic is not None:
             batch["old_values"] = self.critic.compute_values(batch, mbs)
         metrics.update(self._advantages(batch))

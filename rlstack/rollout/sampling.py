@@ -1,6 +1,7 @@
 """Pure next-token sampling: temperature, top-k, top-p (nucleus), greedy; log-probs of the choice.
 
-The returned log-prob is always of the unmodified (temperature 1) distribution; see `base.py`.
+The returned log-prob is of the temperature-scaled distribution (before top-k/top-p filtering),
+which is what the actor recomputes (logits / temperature), as in verl.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] (float) -> (token ids [B], log-probs [B] of those tokens at temperature 1)."""
+    """logits [B, V] (float) -> (token ids [B], log-probs [B] of those tokens under logits / temperature)."""
     logits = logits.float()
+    if not params.greedy and params.temperature != 1.0:
+        logits = logits / params.temperature  # log-probs of the tempered distribution (the actor's too)
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        plain = params.temperature == 1.0 and params.top_k == -1 and params.top_p == 1.0
-        probs = logprobs.exp() if plain else torch.softmax(
-            filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+        unfiltered = params.top_k == -1 and params.top_p == 1.0
+        probs = logprobs.exp() if unfiltered else torch.softmax(
+            filter_logits(logits, 1.0, params.top_k, params.top_p), dim=-1)
         tokens = _inverse_cdf(probs, generator)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

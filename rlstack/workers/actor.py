@@ -14,9 +14,16 @@ from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_paral
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 
-def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False):
-    """logits [b, S, V/tp] of a micro-batch -> token-aligned logprob [b, S] (+ entropy [b, S])."""
+def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False,
+                   temperature: float = 1.0):
+    """logits [b, S, V/tp] of a micro-batch -> token-aligned logprob [b, S] (+ entropy [b, S]).
+
+    Log-probs are of the distribution the rollout sampled from (logits / temperature), as in verl,
+    so the importance ratio compares like with like.
+    """
     g = role.groups
+    if temperature != 1.0:
+        logits = logits.float() / temperature
     out = vocab_parallel_logprobs(logits, shift_targets(mb["tokens"]), role.args.vocab_size, g.tp,
                                   g.tp_rank, g.dims.tp, with_entropy=with_entropy)
     if with_entropy:
@@ -24,11 +31,12 @@ def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entr
     return align_to_tokens(out)
 
 
-def compute_logprobs(role: MegatronRole, batch: dict, micro_batch_size: int) -> torch.Tensor:
+def compute_logprobs(role: MegatronRole, batch: dict, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Forward-only log-probs [B, S] on every pipeline stage."""
 
     def loss_fn(mb, logits):
-        return torch.zeros((), device=logits.device), {"logprob": token_logprobs(role, mb, logits)}
+        return torch.zeros((), device=logits.device), {"logprob": token_logprobs(role, mb, logits,
+                                                                                 temperature=temperature)}
 
     stats = role.run(split_micro_batches(_model_inputs(batch), micro_batch_size), loss_fn, forward_only=True)
     out = cat_stats(stats, "logprob") if role.groups.is_last_stage else None
@@ -40,9 +48,10 @@ def _model_inputs(batch: dict) -> dict:
 
 
 class Actor:
-    def __init__(self, role: MegatronRole, algo: AlgorithmConfig):
+    def __init__(self, role: MegatronRole, algo: AlgorithmConfig, temperature: float = 1.0):
         self.role = role
         self.algo = algo
+        self.temperature = temperature
 
     def update(self, batch: dict, counts: dict, micro_batch_size: int, scale: float,
                forward_only: bool = False) -> dict:
@@ -56,7 +65,7 @@ class Actor:
         a = self.algo
 
         def loss_fn(mb, logits):
-            logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True)
+            logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True, temperature=self.temperature)
             mask = mb["resp_mask"]
             # On-policy (one epoch, one mini-batch) the update's own forward gives the old log-probs:
             # no separate forward pass, and the engine's log-probs are checked against it here.
