@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per prompt (longer prompts are cut)")
     p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
+    from megatron_bridge.verify_sync import add_engine_args
+
+    add_engine_args(p)
     return p
 
 
@@ -146,7 +149,15 @@ def run_checks(opts, hf_dir: str, groups, batch: Batch, reference) -> dict[str, 
     model, args = build_megatron_from_hf(hf_dir, groups)
     _log(groups, f"megatron model built and loaded in {time.time() - start:.1f}s")
     logits = megatron_logits(model, batch.input_ids, groups, args.vocab_size)
-    return {"max_abs_logit_diff": max_abs_diff(logits, reference, batch.lengths)} if groups.rank == 0 else {}
+    results = {"max_abs_logit_diff": max_abs_diff(logits, reference, batch.lengths)} if groups.rank == 0 else {}
+    if opts.engine is not None:
+        from megatron_bridge.verify_sync import engine_check
+
+        prompts = [row[:n].tolist() for row, n in zip(batch.input_ids, batch.lengths)]
+        engine_results = engine_check(opts, hf_dir, groups, model, args, prompts)
+        if groups.rank == 0:
+            results.update(engine_results)
+    return results
 
 
 def main(argv=None) -> int:
