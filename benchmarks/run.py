@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         if name in skip:
             results[name] = reused.get(name) or {"skipped": "--skip " + name}
             if name in reused:
-                results.setdefault("reused", {"from": os.path.relpath(args.reuse, ROOT), "parts": []})
+                results.setdefault("reused", {"from": args.reuse, "parts": []})
                 results["reused"]["parts"].append(name)
             continue
         print(f"== {name}", flush=True)

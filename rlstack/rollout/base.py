@@ -4,10 +4,11 @@ Engines (`hf_engine.HFEngine`, `vllm_engine.VLLMEngine`) live one per rank for t
 weight-sync bridge (`megatron_bridge.reshard.WeightSync`) writes the actor's weights into them
 before every rollout, either in place through `param_targets()` or through `load_weights()`.
 
-Log-prob convention (both engines): `Generation.logprobs[i]` is log p(response_ids[i]) under the
-model's unmodified distribution (temperature 1, no top-k/top-p), whatever the sampling settings.
-That is what vLLM returns by default (`logprobs_mode="raw_logprobs"`) and what the actor recomputes,
-so engine and actor log-probs are comparable directly (`megatron_bridge.verify_sync`).
+Log-prob convention: `Generation.logprobs[i]` is log p(response_ids[i]) under the temperature-scaled
+distribution softmax(logits / temperature) that was sampled from (temperature 1 for greedy), as in
+verl; the actor recomputes exactly that (`workers/actor.py`). The hf engine takes it before top-k /
+top-p filtering. vLLM (`logprobs_mode="processed_logprobs"`) takes it after filtering, renormalised
+over the kept tokens: the two agree unless top-k or top-p is active.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Generation:
     prompt_index: int  # index into the `prompts` list given to `generate`
     prompt_ids: list[int]
     response_ids: list[int]  # ends at and includes eos when finish_reason == "stop"
-    logprobs: list[float]  # one per response token, temperature-1 distribution (module docstring)
+    logprobs: list[float]  # one per response token, of softmax(logits / temperature) (module docstring)
     finish_reason: str  # "stop" (eos) | "length" (max_new_tokens)
 
 

@@ -142,6 +142,7 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
     kwargs = dict(
         model=hf_dir, tokenizer=hf_dir, seed=seed, tensor_parallel_size=cfg.tp,
         max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+        logprobs_mode="processed_logprobs",  # after temperature (and top-k/top-p): see rollout/base.py
         dtype="float32" if not on_gpu else "auto",
     )
     if cfg.tp > 1:

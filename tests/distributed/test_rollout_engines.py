@@ -39,14 +39,15 @@ def test_filter_logits_top_k_and_top_p():
     torch.testing.assert_close(filter_logits(logits, 2.0, -1, 1.0), logits / 2)
 
 
-def test_sample_next_logprobs_are_temperature_one():
+def test_sample_next_logprobs_are_of_the_tempered_distribution():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=gen)
     tokens, lps = sample_next(logits, SamplingParams(temperature=0.3, top_k=5, top_p=0.9), gen)
-    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(lps, torch.log_softmax(logits / 0.3, -1).gather(-1, tokens[:, None])[:, 0])
     assert bool((torch.topk(logits, 5).indices == tokens[:, None]).any(-1).all())  # top-k respected
-    greedy, _ = sample_next(logits, SamplingParams(greedy=True), None)
-    assert torch.equal(greedy, logits.argmax(-1))
+    greedy, greedy_lps = sample_next(logits, SamplingParams(greedy=True, temperature=0.3), None)
+    assert torch.equal(greedy, logits.argmax(-1))  # greedy: temperature 1 log-probs
+    torch.testing.assert_close(greedy_lps, torch.log_softmax(logits, -1).max(-1).values)
 
 
 def test_sampler_draws_from_the_filtered_distribution():
@@ -77,10 +78,10 @@ def _hf_engine(hf_dir, eos=2, seed=0, micro_batch_size=3):
                     pad_token_id=2, seed=seed)
 
 
-def _reference_logprobs(model, g: Generation) -> torch.Tensor:
+def _reference_logprobs(model, g: Generation, temperature: float = 1.0) -> torch.Tensor:
     ids = torch.tensor([g.prompt_ids + g.response_ids])
     with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0].float(), -1)  # [S, V]
+        lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)  # [S, V]
     start = len(g.prompt_ids) - 1
     return lp[start:start + len(g.response_ids)].gather(-1, torch.tensor(g.response_ids)[:, None])[:, 0]
 
@@ -122,8 +123,9 @@ def test_hf_engine_samples_prompt_major_and_reproducibly(tiny_qwen2):
     assert [g.response_ids for g in b] != [g.response_ids for g in c]
     d = _hf_engine(tiny_qwen2, seed=8).generate(PROMPTS, params)
     assert [g.response_ids for g in a] != [g.response_ids for g in d]
-    for g in a:
-        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g), rtol=0, atol=TOL)
+    for g in a:  # log-probs of softmax(logits / 0.9), before top-p
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g, 0.9), rtol=0,
+                                   atol=TOL)
 
 
 def test_hf_engine_load_weights_validates(tiny_qwen2):
@@ -148,11 +150,14 @@ def _engines_in_world(hf_dir, kinds):
     greedy = SamplingParams(greedy=True, max_new_tokens=10)
     out = {k: e.generate(PROMPTS, greedy) for k, e in engines.items()}
     sampled = {k: e.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8)) for k, e in engines.items()}
+    hot = SamplingParams(n=2, temperature=0.7, max_new_tokens=6)  # log-probs of softmax(logits / 0.7)
+    tempered = {k: max((_reference_logprobs(engines["hf"].model, g, 0.7) - torch.tensor(g.logprobs)).abs().max().item()
+                       for g in e.generate(PROMPTS, hot)) for k, e in engines.items()}
     for e in engines.values():
         e.close()
     alive = torch.ones(1)
     dist.all_reduce(alive, group=groups.world)  # the training world survives engine shutdown
-    return {"greedy": out, "sampled": sampled, "world": alive.item()}
+    return {"greedy": out, "sampled": sampled, "tempered": tempered, "world": alive.item()}
 
 
 @pytest.mark.parametrize("kinds", [("hf",), pytest.param(("hf", "vllm"), marks=needs_vllm)])
@@ -162,6 +167,7 @@ def test_engines_inside_a_training_world(tiny_llama, kinds):
         assert r["world"] == 2.0
         for k in kinds:
             assert [g.prompt_index for g in r["sampled"][k]] == [0, 0, 1, 1, 2, 2, 3, 3]
+            assert r["tempered"][k] <= TOL, (k, r["tempered"])
     for k in kinds:  # per-DP-rank seeds: the two ranks sample different responses
         assert [g.response_ids for g in rank0["sampled"][k]] != [g.response_ids for g in rank1["sampled"][k]]
     if "vllm" in kinds:  # vLLM and transformers agree: same greedy tokens, log-probs within 1e-4
