@@ -88,7 +88,7 @@ def step_shape(results: dict, figures: dict) -> Optional[StepShape]:
         return None
     return StepShape(num_prompts=s["prompts"], samples_per_prompt=s["n"], prompt_len=prompt_len,
                      response_len=response_len, ppo_epochs=s.get("ppo_epochs", 1),
-                     ref_forward=s.get("reference", True), old_logprob_forward=True,
+                     ref_forward=s.get("reference", True), old_logprob_forward=s.get("old_logprob_forward", True),
                      critic=s.get("algorithm") == "ppo")
 
 

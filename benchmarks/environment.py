@@ -67,6 +67,8 @@ def describe_setup(args, cfg) -> dict:
         "max_new_tokens": r.max_new_tokens, "max_prompt_length": d.max_prompt_length,
         "micro_batch_size": a.micro_batch_size, "ppo_epochs": a.ppo_epochs, "dtype": cfg.model.dtype,
         "reference": a.use_kl_loss or a.use_kl_in_reward,
+        # The trainer skips the old-log-prob forward on policy (rlstack.trainer.Trainer._on_policy).
+        "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
         "steps": args.steps, "warmup_steps": 1, "reps": args.reps, "warmup_reps": 1,
         "overrides": list(args.overrides),

@@ -75,7 +75,7 @@ CASES = [  # (checkpoint fixture, train TP, train PP, world size)
 @pytest.mark.parametrize("ckpt,tp,pp,world", CASES)
 def test_hf_engine_sync_matches_actor(request, ckpt, tp, pp, world):
     hf_dir = request.getfixturevalue(ckpt)
-    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "hf", 1, timeout=120)
+    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "hf", 1, timeout=240)
     for r in results:
         assert r["finite"], "an engine tensor kept its NaN: the sync missed it"
         assert r["diff"] <= TOL, r
@@ -95,7 +95,7 @@ def test_p2p_transport_matches_actor(tiny_qwen2):
 @pytest.mark.parametrize("ckpt,tp,pp,world", CASES[1:])
 def test_vllm_engine_sync_matches_actor(request, ckpt, tp, pp, world):
     hf_dir = request.getfixturevalue(ckpt)
-    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "vllm", 1, timeout=180)
+    results = run_distributed(_sync_and_verify, world, hf_dir, tp, pp, "vllm", 1, timeout=300)
     assert all(r["diff"] <= TOL for r in results), results
 
 

@@ -212,3 +212,15 @@ def test_a_trainer_that_died_late_keeps_its_finished_steps():
     assert f["timing/step_s"]["median"] == 11.0
     text = report.render_markdown(results, f)
     assert "- trainer: trainer exit code -9 (log x) after 3 of 4 steps" in text
+
+
+def test_ceilings_measure_every_shape_of_a_small_model(monkeypatch):
+    from benchmarks import ceilings
+
+    monkeypatch.setattr(ceilings, "MIN_BLOCK_S", 0.001)  # the path, not the precision, is under test
+    monkeypatch.setattr(ceilings, "BLOCKS", 2)
+    out = ceilings.measure(DIMS, train_rows=16, decode_rows=2, tp=1, pp=1, dtype_name="float32", device_name="cpu",
+                  memcpy_mib=1)
+    assert [(s["m"], s["k"], s["n"]) for s in out["train"]["shapes"]] == [(m, k, n) for m, k, n, _ in
+                                                                          model_shapes(DIMS, 16)]
+    assert out["train"]["flops_per_s"] > 0 and out["decode"]["flops_per_s"] > 0 and out["memcpy_bytes_per_s"] > 0
