@@ -10,7 +10,6 @@ log = logging.getLogger("rlstack")
 
 
 def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "") -> int:
-    import numpy as np
     import torch
 
     from rlstack.parallel import destroy_distributed, init_distributed
@@ -18,14 +17,13 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     _set_threads(cfg.parallel.threads_per_rank)
     p = cfg.parallel
     groups = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)
-    random.seed(cfg.trainer.seed)
-    np.random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
+    _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     trainer = trackers = None
     try:
         trainer, trackers = _start(cfg, groups, config_yaml)
+        _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
         _loop(cfg, trainer, trackers, groups, dry_run, profile)
     finally:
         if trackers is not None:
@@ -34,6 +32,15 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
             trainer.engine.close()
         destroy_distributed()
     return 0
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _start(cfg, groups, config_yaml: str):
