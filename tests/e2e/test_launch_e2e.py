@@ -24,7 +24,9 @@ def _launch(out, overrides, env, **kwargs):
 
 
 def test_two_nodes_match_one_node(tmp_path):
-    steps = ["trainer.total_steps=3"]
+    # same threads per rank in both layouts (the default is cores / local ranks), so the float
+    # reductions are the same
+    steps = ["trainer.total_steps=3", "parallel.threads_per_rank=1"]
     one = str(tmp_path / "one")
     proc = _launch(one, steps, {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     out, _ = proc.communicate(timeout=600)
@@ -73,7 +75,8 @@ def _wait_for_rank(launcher_pid: int, rank: int, metrics: str, timeout: float = 
 
 def test_user_error_is_one_line():
     proc = subprocess.run(["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", "rollout.tempreature=2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, RLSTACK_IGNORE_SLURM="1"))
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RLSTACK_IGNORE_SLURM="1", NPROC_PER_NODE="2"))
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert lines == ["error: unknown config key 'rollout.tempreature': did you mean 'rollout.temperature'?"]
