@@ -81,3 +81,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dic
     if errors:
         raise AssertionError("\n".join(errors))
     return [by_rank[r] for r in range(world_size)]
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True

