@@ -157,11 +157,7 @@ class Trainer:
         device = self.groups.device
         prompt_ids = [prompts[i].input_ids for i, *_ in gens]
         response_ids = [resp for _, resp, *_ in gens]
-        scores = []
-        for (i, resp, *_rest) in gens:
-            p = prompts[i]
-            text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
+        scores = self._rewards(prompts, gens)
         mbs = self.cfg.algorithm.micro_batch_size
         batch = make_batch(prompt_ids, response_ids, self.tokenizer.pad_token_id, mbs, device)
         batch["scores"] = scatter_to_tokens(scores, batch)
@@ -286,13 +282,16 @@ class Trainer:
 
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, _ = self.generate(prompts, greedy=True)
-        scores, sources = [], []
+        return val_accuracy(self._rewards(prompts, gens), [prompts[i].data_source for i, *_ in gens])
+
+    def _rewards(self, prompts: list, gens: list) -> list[float]:
+        """Rule (or custom) score of each generated response against its prompt's ground truth."""
+        scores = []
         for i, resp, *_ in gens:
             p = prompts[i]
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
             scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
-            sources.append(p.data_source)
-        return val_accuracy(scores, sources)
+        return scores
 
 
 def _sum_over(group):
