@@ -239,24 +239,25 @@ class Trainer:
 
     def _advantages(self, batch: dict) -> dict:
         a, g = self.cfg.algorithm, self.groups
-        mask = batch["resp_mask"]
-        token_rewards = place_at_last_token(batch["scores"], mask)  # [B, S]
+        n = batch["num_sequences"]  # rows past n only fill the last micro-batch: no response, no reward
+        mask = batch["resp_mask"][:n]
+        token_rewards = place_at_last_token(batch["scores"][:n], mask)  # [n, S]
         metrics = {}
         if a.use_kl_in_reward:
-            token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"], batch["ref_logprob"],
-                                                      mask, self.kl_ctrl.value, "k1")
+            token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"][:n],
+                                                      batch["ref_logprob"][:n], mask, self.kl_ctrl.value, "k1")
             kl_mean = all_reduce_sum([float(kl_mean)], g.dp)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
         estimator = adv_estimator(self.cfg)
-        n = batch["num_sequences"]  # rows past n only fill the last micro-batch
-        inputs = dict(token_rewards=token_rewards[:n])
+        inputs = dict(token_rewards=token_rewards)
         if estimator == "gae":
             inputs["values"] = batch["old_values"][:n]
-        adv, returns = compute_advantages(estimator, mask=mask[:n], group_ids=batch["group_ids"][:n], gamma=a.gamma,
+        adv, returns = compute_advantages(estimator, mask=mask, group_ids=batch["group_ids"][:n], gamma=a.gamma,
                                           lam=a.lam, reduce_fn=_sum_over(g.dp), **inputs)
-        batch["advantages"] = _pad_rows(adv.detach(), mask.shape[0])
-        batch["returns"] = _pad_rows(returns.detach(), mask.shape[0])
+        rows = batch["resp_mask"].shape[0]
+        batch["advantages"] = _pad_rows(adv.detach(), rows)
+        batch["returns"] = _pad_rows(returns.detach(), rows)
         return metrics
 
     def _counts(self, mini: dict) -> tuple[dict, float]:

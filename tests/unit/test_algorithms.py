@@ -138,6 +138,17 @@ def test_grpo_drgrpo_rloo_by_hand():
     close(rloo(SCORES, GROUPS, mask)[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3, -2.0, 2.0])
 
 
+def test_registered_grpo_normalises_by_group_std():
+    """What the trainer calls: `compute_advantages("grpo")` divides by the group's std (hand values)."""
+    mask = torch.ones(6, 2)
+    expected = T([0.866025, -0.866025, -0.866025, 0.866025, -0.707107, 0.707107])
+    adv, returns = compute_advantages("grpo", scores=SCORES, group_ids=GROUPS, mask=mask)
+    close(adv, expected[:, None] * mask)
+    close(returns, adv)
+    adv_dr, _ = compute_advantages("drgrpo", scores=SCORES, group_ids=GROUPS, mask=mask)
+    close(adv_dr[:, 0], [0.5, -0.5, -0.5, 0.5, -1.0, 1.0])
+
+
 def test_grpo_zero_mean_unit_std_per_group():
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(24, generator=g)
