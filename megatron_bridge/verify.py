@@ -11,6 +11,7 @@ Each comparison is one entry of `run_checks`; a rollout-engine check (`--engine 
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import argparse
 import os
 import resource
@@ -57,7 +58,7 @@ def make_batch(hf_dir: str, vocab_size: int, seq_len: int) -> Batch:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len] for p in PROMPTS]
     if max(max(r) for r in rows) >= vocab_size:
-        raise ValueError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
+        raise InputError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
                          f"config.json do not belong together")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(r) for r in rows)
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
         args = read_model_args(hf_dir)
         check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
-    except ValueError as e:
+    except InputError as e:
         parser.error(str(e))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = init_distributed(opts.tp, opts.pp)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
+from rlstack.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A user mistake in a config file or override; the message names the fix."""
 
 
@@ -55,7 +58,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size; must divide the number of layers
     dp: int = -1  # data parallel size; -1: world_size / (tp * pp)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
-    timeout_minutes: int = 30  # collective timeout: a dead rank ends the job after this
+    timeout_minutes: float = 0  # collective timeout: a dead or stalled rank ends the job after this; 0: auto
+    # (30 on GPUs, where NCCL's first collectives and compilation are slow; 10 on CPU)
     use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
     threads_per_rank: int = 0  # CPU threads per rank; 0: cores / local ranks
 
@@ -148,6 +152,8 @@ class TrainerConfig:
     val_before_train: bool = False
     val_after_train: bool = False
     deterministic: bool = False  # torch deterministic algorithms (golden-file tests)
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf loss or gradient norm stops the run, or skips that update
+    overwrite: bool = False  # start afresh in an output_dir that holds an earlier run (deletes its checkpoints)
 
 
 @dataclass
@@ -196,6 +202,7 @@ CHOICES = {
     "algorithm.kl_loss_type": ("k1", "k2", "k3"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "data.truncation": ("error", "drop"),
+    "trainer.on_nonfinite": ("stop", "skip"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 TRACKERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -216,11 +223,15 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> ExperimentCon
 
 
 def _read_yaml(path: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found: pass an existing YAML file to --config")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not a text file: pass a YAML file to --config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -261,7 +272,7 @@ def _build(cls, raw: Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names]))
+            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names], raw))
     kwargs = {}
     for name in names:
         if name in raw:
@@ -269,10 +280,31 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
-def _unknown_key_message(key: str, valid: list[str]) -> str:
+def _unknown_key_message(key: str, valid: list[str], raw: Optional[dict] = None) -> str:
     close = difflib.get_close_matches(key, _all_keys(valid), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
-    return f"unknown config key '{key}': {hint}"
+    note = _no_effect_note(close[0], raw or {}) if close else ""
+    return f"unknown config key '{key}': {hint}{note}"
+
+
+# Keys read only under some setting: (key, its section's switch, the switch's default, the key that
+# applies otherwise). A suggestion that would change nothing says so.
+_CONDITIONAL_KEYS = {
+    "algorithm.kl_coef": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_ctrl": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_target": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_loss_coef": ("use_kl_loss", True, "algorithm.kl_coef (the in-reward KL; use_kl_in_reward)"),
+    "algorithm.kl_loss_type": ("use_kl_loss", True, "algorithm.kl_coef (the in-reward KL; use_kl_in_reward)"),
+}
+
+
+def _no_effect_note(key: str, section_raw: dict) -> str:
+    if key not in _CONDITIONAL_KEYS:
+        return ""
+    switch, default, other = _CONDITIONAL_KEYS[key]
+    if bool(section_raw.get(switch, default)):
+        return ""
+    return f" (note: {key} has no effect while algorithm.{switch}=false; this config uses {other})"
 
 
 def _all_keys(valid: list[str]) -> list[str]:
@@ -341,6 +373,7 @@ def check_values(cfg: ExperimentConfig) -> None:
         if name not in TRACKERS:
             raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
     _check_positive(cfg)
+    _check_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
         raise ConfigError(f"'parallel.dp' is {p.dp}: use a positive size or -1 (world / (tp*pp))")
@@ -358,10 +391,49 @@ def _check_positive(cfg: ExperimentConfig) -> None:
     for key in ("parallel.tp", "parallel.pp", "rollout.tp", "rollout.n", "rollout.max_new_tokens",
                 "rollout.micro_batch_size", "rollout.sync_bucket_mb", "algorithm.ppo_epochs",
                 "algorithm.micro_batch_size", "data.max_prompt_length", "data.train_batch_size",
-                "data.val_batch_size", "trainer.total_steps", "parallel.timeout_minutes"):
+                "data.val_batch_size", "trainer.total_steps"):
         value = get_dotted(cfg, key)
         if value < 1:
             raise ConfigError(f"'{key}' is {value}: it must be at least 1")
+
+
+# (key, test, what it must be): float ranges the run would otherwise trip over late or silently.
+_RANGES = (
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("algorithm.actor_lr", lambda v: v > 0, "> 0"),
+    ("algorithm.critic_lr", lambda v: v > 0, "> 0"),
+    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.clip_ratio_low", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_ratio_high", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_ratio_c", lambda v: v > 1, "> 1 (the dual-clip bound)"),
+    ("algorithm.value_clip", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("parallel.timeout_minutes", lambda v: v >= 0, ">= 0 (0: auto)"),
+    ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+)
+
+
+def _check_ranges(cfg: ExperimentConfig) -> None:
+    t = cfg.rollout.temperature
+    if not t > 0:
+        raise ConfigError(f"'rollout.temperature' is {t}: it must be > 0 (log-probs are of logits / temperature); "
+                          "for greedy decoding set rollout.top_k=1, or a small temperature such as 0.01")
+    for key, ok, what in _RANGES:
+        value = get_dotted(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"'{key}' is {value}: it must be {what}")
+
+
+def timeout_minutes(cfg: ExperimentConfig, on_gpu: bool) -> float:
+    """The collective timeout in minutes (parallel.timeout_minutes, or its auto value)."""
+    return cfg.parallel.timeout_minutes or (30.0 if on_gpu else 10.0)
 
 
 def adv_estimator(cfg: ExperimentConfig) -> str:

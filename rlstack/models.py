@@ -7,6 +7,7 @@ RoPE with its theta, GQA, optional QKV bias, tied or untied embeddings).
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import logging
 import math
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class ModelArgs:
         archs = get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
+            raise UserError(
                 f"unsupported architecture {archs or get('model_type')}: rlstack supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Qwen2 families)"
             )
@@ -85,7 +86,7 @@ def _check_rope_scaling(scaling: Optional[dict], params: Optional[dict]) -> None
         if isinstance(source, dict):
             kind = source.get("rope_type") or source.get("type") or kind
     if kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported yet: use a model without rope_scaling")
+        raise UserError(f"rope scaling {kind!r} is not supported yet: use a model without rope_scaling")
 
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, dtype: torch.dtype = torch.float32,

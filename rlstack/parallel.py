@@ -7,6 +7,7 @@ groups from `parallel_state` itself. NCCL with CUDA, gloo on CPU (with `cpu_comp
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import datetime
 import os
 from dataclasses import dataclass
@@ -34,16 +35,16 @@ class ParallelDims:
     def resolve(cls, tp: int, pp: int, dp: int, world_size: int) -> "ParallelDims":
         """Fill dp=-1 from the world size; raise ValueError naming the number to change."""
         if tp < 1 or pp < 1:
-            raise ValueError(f"parallel.tp={tp} and parallel.pp={pp} must be at least 1")
+            raise UserError(f"parallel.tp={tp} and parallel.pp={pp} must be at least 1")
         if world_size % (tp * pp) != 0:
-            raise ValueError(
+            raise UserError(
                 f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}: "
                 f"change parallel.tp/parallel.pp or the number of processes (nproc_per_node x nnodes)"
             )
         if dp == -1:
             dp = world_size // (tp * pp)
         if tp * pp * dp != world_size:
-            raise ValueError(
+            raise UserError(
                 f"parallel.tp * parallel.pp * parallel.dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world "
                 f"size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or -1) or launch "
                 f"{tp * pp * dp} processes"
@@ -53,18 +54,18 @@ class ParallelDims:
     def check_model(self, shape: ModelShape) -> None:
         """Heads and query groups must divide by TP, layers by PP."""
         if shape.num_attention_heads % self.tp:
-            raise ValueError(
+            raise UserError(
                 f"parallel.tp={self.tp} does not divide the model's {shape.num_attention_heads} attention "
                 f"heads: choose parallel.tp from {_divisors(shape.num_attention_heads, shape.num_query_groups)}"
             )
         if shape.num_query_groups % self.tp:
-            raise ValueError(
+            raise UserError(
                 f"parallel.tp={self.tp} does not divide the model's {shape.num_query_groups} key/value heads "
                 f"(query groups): choose parallel.tp from "
                 f"{_divisors(shape.num_attention_heads, shape.num_query_groups)}"
             )
         if shape.num_layers % self.pp:
-            raise ValueError(
+            raise UserError(
                 f"parallel.pp={self.pp} does not divide the model's {shape.num_layers} layers: choose "
                 f"parallel.pp from {_divisors(shape.num_layers)}"
             )
@@ -106,7 +107,7 @@ def pick_backend(requested: str) -> str:
 
     if requested != "auto":
         if requested == "nccl" and not torch.cuda.is_available():
-            raise ValueError("parallel.backend=nccl needs CUDA: use parallel.backend=gloo (or auto) on CPU")
+            raise UserError("parallel.backend=nccl needs CUDA: use parallel.backend=gloo (or auto) on CPU")
         return requested
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -183,18 +184,17 @@ DEFAULT_MODEL_SHAPE = ModelShape(num_layers=30, num_attention_heads=9, num_query
 
 def model_shape_from_config(model_cfg) -> Optional[ModelShape]:
     """Shape of the configured model without loading it; None when the path does not exist yet."""
-    import json
 
     if model_cfg.path == "default":
         return DEFAULT_MODEL_SHAPE
     if model_cfg.path == "tiny":
         t = model_cfg.tiny
         return ModelShape(t.num_layers, t.num_attention_heads, t.num_key_value_heads, 300)
-    config_path = os.path.join(model_cfg.path, "config.json")
-    if not os.path.isfile(config_path):
+    from megatron_bridge.hf_config import read_hf_config
+
+    if not os.path.isfile(os.path.join(model_cfg.path, "config.json")):
         return None
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = read_hf_config(model_cfg.path)
     heads = hf["num_attention_heads"]
     return ModelShape(hf["num_hidden_layers"], heads, hf.get("num_key_value_heads") or heads, hf["vocab_size"])
 
@@ -207,6 +207,6 @@ def check_layout(cfg, world_size: int) -> ParallelDims:
     if shape is not None:
         dims.check_model(shape)
     if cfg.data.train_batch_size % dims.dp:
-        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not divide over {dims.dp} "
+        raise UserError(f"data.train_batch_size={cfg.data.train_batch_size} does not divide over {dims.dp} "
                          f"data-parallel ranks: make it a multiple of {dims.dp}")
     return dims

@@ -109,6 +109,7 @@ class Trainer:
         metrics.update(timings)
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
+        self._check_finite(metrics)
         self.step += 1
         return metrics
 
@@ -185,7 +186,7 @@ class Trainer:
             batch["old_values"] = self.critic.compute_values(batch, mbs)
         metrics.update(self._advantages(batch))
         minis = _mini_batches(batch, a.mini_batch_size, g.dims.dp, mbs)
-        actor_stats, critic_stats, grad_norms = [], [], []
+        actor_stats, critic_stats, grad_norms, critic_norms = [], [], [], []
         train_actor = self.step >= a.critic_warmup_steps
         actor_s = critic_s = 0.0
         for _ in range(a.ppo_epochs):
@@ -195,6 +196,7 @@ class Trainer:
                 if self.critic is not None:
                     out = self.critic.update(mini, counts, mbs, scale, forward_only=forward_only)
                     critic_stats += out["stats"]
+                    critic_norms.append(out["grad_norm"])
                 t1 = time.perf_counter()
                 if train_actor:
                     actor_inputs = {k: v for k, v in mini.items() if k not in ("old_values", "returns")}
@@ -206,9 +208,38 @@ class Trainer:
         metrics.update(self._train_throughput(batch, actor_s, critic_s))
         metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
         metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
-        if grad_norms:
-            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        for key, norms in (("actor/grad_norm", grad_norms), ("critic/grad_norm", critic_norms)):
+            if norms and not forward_only:
+                metrics[key] = sum(norms) / len(norms)
         return metrics
+
+    # Step metrics that must stay finite; a non-finite one stops the run (or, for gradient norms
+    # with trainer.on_nonfinite=skip, the update was skipped and the run goes on).
+    _FINITE_LOSSES = ("actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy", "critic/loss")
+    _FINITE_NORMS = ("actor/grad_norm", "critic/grad_norm")
+
+    def _check_finite(self, metrics: dict) -> None:
+        from rlstack.workers.finite import DivergenceError, count_nonfinite, first_nonfinite
+
+        step, skip = self.step + 1, self.cfg.trainer.on_nonfinite == "skip"
+        modules = [self.actor.role.module] + ([self.critic.role.module] if self.critic is not None else [])
+        bad_weights = all_reduce_sum([float(count_nonfinite(modules))], self.groups.world)[0]
+        if bad_weights:
+            raise DivergenceError(f"training diverged at step {step}: {int(bad_weights)} weight tensor(s) hold NaN/inf "
+                                  f"after the optimizer step (nothing is saved from this step): lower "
+                                  f"algorithm.actor_lr/critic_lr or algorithm.clip_grad")
+        norm = first_nonfinite(metrics, self._FINITE_NORMS)
+        loss = first_nonfinite(metrics, self._FINITE_LOSSES)
+        if (norm or loss) and skip:
+            log.warning("step %d: %s is %s: the update was skipped, weights unchanged (trainer.on_nonfinite=skip)",
+                        step, norm or loss, metrics[norm or loss])
+            metrics["trainer/skipped_update"] = 1.0
+            return
+        if norm or loss:
+            key = norm or loss
+            raise DivergenceError(f"training diverged at step {step}: {key} is {metrics[key]} (the optimizer step "
+                                  f"was skipped; nothing is saved from this step): lower algorithm.actor_lr/critic_lr "
+                                  f"or algorithm.clip_grad, or set trainer.on_nonfinite=skip to skip such updates")
 
     def _on_policy(self) -> bool:
         """One epoch over one mini-batch: the policy that sampled is the one being updated."""

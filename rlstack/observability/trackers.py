@@ -7,6 +7,7 @@ only when asked for.
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import json
 import logging
 import math
@@ -107,7 +108,7 @@ class WandbTracker(Tracker):
         try:
             import wandb
         except ImportError:
-            raise ValueError("logging.trackers lists 'wandb' but wandb is not installed: "
+            raise UserError("logging.trackers lists 'wandb' but wandb is not installed: "
                              "pip install wandb, or remove wandb from logging.trackers") from None
         self._run = wandb.init(project=project, name=run_name or None, config=config_dict,
                                dir=output_dir)
@@ -139,7 +140,7 @@ def build_trackers(names: list[str], output_dir: str, rank: int, config_dict: Op
     """Trackers named in logging.trackers (jsonl always on) on rank 0; a no-op elsewhere."""
     unknown = [n for n in names if n not in TRACKER_NAMES]
     if unknown:
-        raise ValueError(f"logging.trackers has unknown tracker {unknown[0]!r}: "
+        raise UserError(f"logging.trackers has unknown tracker {unknown[0]!r}: "
                          f"use {', '.join(TRACKER_NAMES)}")
     if rank != 0:
         return MultiTracker([])

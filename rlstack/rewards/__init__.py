@@ -5,6 +5,7 @@ Pure Python (no torch). `RewardScorer.score(...)` is what the reward worker call
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 from typing import Callable, Iterable, Optional
 
 from rlstack.rewards import rules
@@ -46,7 +47,7 @@ class RewardScorer:
     def _rule(data_source: str) -> Callable[..., float]:
         fn = SCORERS.get(data_source)
         if fn is None:
-            raise ValueError(f"no reward scorer for data_source {data_source!r} (built in: "
+            raise UserError(f"no reward scorer for data_source {data_source!r} (built in: "
                              f"{', '.join(sorted(SCORERS))}): set data.reward_fn_file to a Python file "
                              f"defining {SIGNATURE}")
         return fn

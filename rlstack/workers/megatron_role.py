@@ -76,16 +76,20 @@ class MegatronRole:
             )
 
     def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> tuple[list[dict], float]:
-        """Zero grads, forward/backward every micro-batch, one optimizer step. Returns (stats, grad norm)."""
+        """Zero grads, forward/backward every micro-batch, one optimizer step. Returns (stats, grad norm).
+
+        A non-finite global gradient norm skips the step (no weight changes) and is returned as is:
+        the caller decides whether the run stops (rlstack.workers.finite).
+        """
+        from rlstack.workers.finite import step_unless_nonfinite
+
         assert self.optimizer is not None, "reference roles are frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self.run(micro_batches, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: gradients hold inf/nan")
-        return stats, float(grad_norm or 0.0)
+        _, grad_norm = step_unless_nonfinite(self.optimizer)
+        return stats, grad_norm
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
         """Last pipeline stage's tensor on every stage of this pipeline."""

@@ -117,7 +117,8 @@ def test_other_errors_keep_their_traceback_and_exit_1(tmp_path):
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and "RuntimeError: bug here" in proc.stderr
     text = (tmp_path / "run" / "logs" / "rank0.log").read_text()
-    assert "ERROR rlstack: unrecoverable error: RuntimeError: bug here" in text
+    assert "ERROR rlstack: internal error (bug): RuntimeError: bug here" in text
+    assert proc.stderr.count("Traceback (most recent call last)") == 1 and "this is a bug in rlstack" in proc.stderr
 
 
 def test_user_error_guard_returns_the_result_and_finds_the_file_from_a_child_logger(tmp_path):
