@@ -115,7 +115,7 @@ def test_sigterm_during_a_save_publishes_nothing_half_written(tmp_path):
     assert "stopped by SIGTERM" in text
     steps = assert_checkpoints_sound(_ckpts(out))
     assert steps and max(steps) <= 3 and 2 in steps
-    with open(os.path.join(_ckpts(out), steps[0] and f"step_{steps[0]:08d}", "trainer_state.json")) as f:
+    with open(os.path.join(_ckpts(out), f"step_{steps[0]:08d}", "trainer_state.json")) as f:
         assert json.load(f)["step"] == steps[0]
 
 
