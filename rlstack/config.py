@@ -135,6 +135,10 @@ class DataConfig:
     seed: int = 0
     reward_fn_file: str = ""  # python file with verl's compute_score signature
     reward_fn_name: str = "compute_score"
+    reward_fn_batched: bool = False  # the function takes lists (verl's batch reward manager form)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
+    reward_timeout_s: float = 0.0  # per call; a late call scores 0.0 (as verl); 0: no limit
+    reward_scorer: str = ""  # a built-in scorer for every data_source (e.g. gsm8k_lenient); "": by data_source
 
 
 @dataclass
@@ -298,6 +302,10 @@ def _coerce(tp, value: Any, key: str):
         if value is None:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"'{key}' expects a mapping like {{name: value}}, got {value!r}")
+        return dict(value)
     if origin is list:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # verl accepts a single path where a list is expected
@@ -350,6 +358,12 @@ def check_values(cfg: ExperimentConfig) -> None:
         raise ConfigError("'algorithm.adv_estimator=gae' needs a critic: set algorithm.name=ppo")
     if cfg.rollout.n < 2 and adv_estimator(cfg) in ("grpo", "drgrpo", "rloo"):
         raise ConfigError(f"'{adv_estimator(cfg)}' advantages need groups: set rollout.n >= 2")
+    if cfg.data.reward_scorer:
+        from rlstack.rewards import SCORERS  # pure Python, no torch
+
+        if cfg.data.reward_scorer not in SCORERS:
+            raise ConfigError(f"'data.reward_scorer' is {cfg.data.reward_scorer!r}: choose one of "
+                              f"{', '.join(map(repr, sorted(SCORERS)))} or leave it empty")
     if not cfg.data.train_files and not cfg.data.synthetic:
         raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
 

@@ -42,7 +42,7 @@ class Trainer:
         self.train_set, self.val_set = build_datasets(cfg.data, self.tokenizer)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
-        self.scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
+        self.scorer = RewardScorer.from_config(cfg.data)
         self.scorer.check_sources(self.train_set.data_sources())
         if self.val_set is not None:
             self.scorer.check_sources(self.val_set.data_sources())
@@ -286,12 +286,12 @@ class Trainer:
 
     def _rewards(self, prompts: list, gens: list) -> list[float]:
         """Rule (or custom) score of each generated response against its prompt's ground truth."""
-        scores = []
-        for i, resp, *_ in gens:
-            p = prompts[i]
-            text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
-        return scores
+        from rlstack.rewards import Sample
+
+        samples = [Sample(prompts[i].data_source, self.tokenizer.decode(resp, skip_special_tokens=True),
+                          prompts[i].ground_truth, prompts[i].extra_info, row=prompts[i].index)
+                   for i, resp, *_ in gens]
+        return [r.score for r in self.scorer.score_batch(samples)]
 
 
 def _sum_over(group):
