@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
+from rlstack.algorithms import names as algorithm_names  # torch-free name lists of the registries
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message names the fix."""
@@ -86,7 +88,8 @@ class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo; "" picks gae for ppo, grpo for grpo
+    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline]; "": gae (ppo), grpo (grpo)
+    policy_loss: str = "vanilla"  # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip)
     gamma: float = 1.0
     lam: float = 1.0
     clip_ratio_low: float = 0.2
@@ -94,11 +97,13 @@ class AlgorithmConfig:
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
     value_clip: float = 0.2
     entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum[-norm] | seq-mean-token-mean
+    loss_scale_factor: int = 0  # the constant of seq-mean-token-sum-norm (Dr.GRPO); 0: rollout.max_new_tokens
     use_kl_loss: bool = True  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    kl_loss_type: str = "k3"  # k1 | k2 | k3, verl's kl | mse | low_var_kl | abs, and "+" variants
     use_kl_in_reward: bool = False  # KL as an in-reward penalty (PPO style)
+    kl_penalty: str = "k1"  # estimator of the in-reward KL (verl's algorithm.kl_penalty; kl = k1)
     kl_ctrl: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001  # in-reward KL coefficient (initial, if adaptive)
     kl_target: float = 0.1  # adaptive controller target KL
@@ -195,9 +200,11 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": ("ppo", "grpo"),
-    "algorithm.adv_estimator": ("", "gae", "grpo", "drgrpo", "rloo"),
-    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "algorithm.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
+    "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
+    "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
+    "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
+    "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "data.truncation": ("error", "drop"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -356,7 +363,7 @@ def check_values(cfg: ExperimentConfig) -> None:
         pass  # critic-free estimators with PPO's critic still work; the critic then only logs values
     if cfg.algorithm.name == "grpo" and cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("'algorithm.adv_estimator=gae' needs a critic: set algorithm.name=ppo")
-    if cfg.rollout.n < 2 and adv_estimator(cfg) in ("grpo", "drgrpo", "rloo"):
+    if cfg.rollout.n < 2 and adv_estimator(cfg) in algorithm_names.GROUP_ESTIMATORS:
         raise ConfigError(f"'{adv_estimator(cfg)}' advantages need groups: set rollout.n >= 2")
     if cfg.data.reward_scorer:
         from rlstack.rewards import SCORERS  # pure Python, no torch

@@ -244,7 +244,7 @@ class Trainer:
         metrics = {}
         if a.use_kl_in_reward:
             token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"], batch["ref_logprob"],
-                                                      mask, self.kl_ctrl.value, "k1")
+                                                      mask, self.kl_ctrl.value, a.kl_penalty)
             kl_mean = all_reduce_sum([float(kl_mean)], g.dp)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
@@ -263,7 +263,10 @@ class Trainer:
         g, mask = self.groups, mini["resp_mask"]
         tokens, seqs = all_reduce_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp)
         num_micro = mini["tokens"].shape[0] // self.cfg.algorithm.micro_batch_size
-        return {"global_num_tokens": tokens, "global_num_seqs": seqs}, float(num_micro * g.dims.dp)
+        # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
+        scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+        return ({"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
+                float(num_micro * g.dims.dp))
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups
