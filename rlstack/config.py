@@ -118,6 +118,13 @@ class AlgorithmConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     critic_warmup_steps: int = 0  # steps that train only the critic (PPO)
+    # Learning-rate schedule (megatron-core's OptimizerParamScheduler, one per trained role): a linear
+    # warm-up from 0, then constant or a cosine decay to min_lr_ratio x lr at trainer.total_steps.
+    lr_schedule: str = "constant"  # constant | cosine
+    actor_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    critic_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    lr_warmup_ratio: float = 0.0  # share of trainer.total_steps used to warm up when the steps are 0
+    min_lr_ratio: float = 0.0  # cosine: the final lr as a share of actor_lr / critic_lr
 
 
 @dataclass
@@ -206,6 +213,7 @@ CHOICES = {
     "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "algorithm.lr_schedule": ("constant", "cosine"),
     "data.truncation": ("error", "drop"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -272,7 +280,7 @@ def _build(cls, raw: Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names]))
+            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names], raw[key]))
     kwargs = {}
     for name in names:
         if name in raw:
@@ -280,10 +288,35 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
-def _unknown_key_message(key: str, valid: list[str]) -> str:
+def _unknown_key_message(key: str, valid: list[str], value: Any = None) -> str:
+    verl_hint = _verl_hint(key, value)
+    if verl_hint:
+        return verl_hint
     close = difflib.get_close_matches(key, _all_keys(valid), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
     return f"unknown config key '{key}': {hint}"
+
+
+def _verl_hint(key: str, value: Any) -> Optional[str]:
+    """For a verl key (`data.max_response_length`, `actor_rollout_ref.actor.optim.lr`, ...), its
+    rlstack name; `value` is what the key holds, so a verl section names its first verl leaf."""
+    from rlstack.from_verl import rlstack_name_for  # pure Python; imports config only lazily
+
+    for leaf in [key] + _leaf_keys(key, value):
+        target = rlstack_name_for(leaf)
+        if target:
+            return (f"unknown config key '{leaf}': that is verl's name; rlstack's is {target} "
+                    "(python -m rlstack.from_verl translates a whole verl command line)")
+    return None
+
+
+def _leaf_keys(prefix: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    keys = []
+    for k, v in value.items():
+        keys += _leaf_keys(f"{prefix}.{k}", v) if isinstance(v, dict) else [f"{prefix}.{k}"]
+    return keys
 
 
 def _all_keys(valid: list[str]) -> list[str]:
@@ -319,6 +352,10 @@ def _coerce(tp, value: Any, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' expects a list like [a,b], got {value!r}")
         return [_coerce(args[0], v, key) for v in value]
+    if isinstance(value, dict):  # a section where rlstack has a value: maybe a verl sub-section
+        hint = _verl_hint(key, value)
+        if hint:
+            raise ConfigError(hint)
     return _scalar(tp, value, key)
 
 
@@ -356,6 +393,7 @@ def check_values(cfg: ExperimentConfig) -> None:
         if name not in TRACKERS:
             raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
     _check_positive(cfg)
+    _check_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
         raise ConfigError(f"'parallel.dp' is {p.dp}: use a positive size or -1 (world / (tp*pp))")
@@ -383,6 +421,22 @@ def _check_positive(cfg: ExperimentConfig) -> None:
         value = get_dotted(cfg, key)
         if value < 1:
             raise ConfigError(f"'{key}' is {value}: it must be at least 1")
+
+
+def _check_ranges(cfg: ExperimentConfig) -> None:
+    a = cfg.algorithm
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.min_lr_ratio"):
+        value = get_dotted(cfg, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"'{key}' is {value}: it must lie in [0, 1]")
+    for key in ("algorithm.actor_lr_warmup_steps", "algorithm.critic_lr_warmup_steps",
+                "algorithm.loss_scale_factor", "data.reward_timeout_s"):
+        value = get_dotted(cfg, key)
+        if value < 0:
+            raise ConfigError(f"'{key}' is {value}: it must be >= 0 (0: off or the default)")
+    if a.actor_lr_warmup_steps > cfg.trainer.total_steps or a.critic_lr_warmup_steps > cfg.trainer.total_steps:
+        raise ConfigError(f"'algorithm.*_lr_warmup_steps' ({a.actor_lr_warmup_steps}, {a.critic_lr_warmup_steps}) "
+                          f"exceed trainer.total_steps={cfg.trainer.total_steps}: shorten the warm-up")
 
 
 def adv_estimator(cfg: ExperimentConfig) -> str:
