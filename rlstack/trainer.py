@@ -21,7 +21,7 @@ from rlstack.parallel import ParallelGroups
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
 from rlstack.workers.critic import Critic
-from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum, warmup_steps
 from rlstack.workers.step_metrics import reduce_stats
 
 log = logging.getLogger("rlstack")
@@ -61,16 +61,22 @@ class Trainer:
         a = cfg.algorithm
         dtype = DTYPES[cfg.model.dtype]
         optim = dict(weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                     lr_schedule=a.lr_schedule, total_steps=cfg.trainer.total_steps, min_lr_ratio=a.min_lr_ratio)
+        total = cfg.trainer.total_steps
+        actor_optim = OptimSettings(lr=a.actor_lr, lr_warmup_steps=warmup_steps(
+            a.actor_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
+        critic_optim = OptimSettings(lr=a.critic_lr, lr_warmup_steps=warmup_steps(
+            a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
         recompute = cfg.model.gradient_checkpointing
-        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=OptimSettings(lr=a.actor_lr, **optim),
+        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=actor_optim,
                                         recompute=recompute), a, temperature=cfg.rollout.temperature)
         self.ref = MegatronRole(self.hf_dir, g, dtype) if self.needs_reference else None
         self.critic = None
         if a.name == "ppo":
             critic_dir = cfg.model.critic_path or self.hf_dir
             self.critic = Critic(MegatronRole(critic_dir, g, dtype, value_head=True, recompute=recompute,
-                                              optim=OptimSettings(lr=a.critic_lr, **optim),
+                                              optim=critic_optim,
                                               value_head_seed=cfg.trainer.seed), a)
         self.engine = build_engine(cfg.rollout, self.hf_dir, g, self.tokenizer.eos_token_id,
                                    self.tokenizer.pad_token_id)
@@ -208,6 +214,13 @@ class Trainer:
         metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
         if grad_norms:
             metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if not forward_only:  # the lr schedules count trainer steps (as verl's); the actor's only when it trained
+            if train_actor:
+                metrics["actor/lr"] = self.actor.role.lr_schedule.lr
+                self.actor.role.lr_schedule.step()
+            if self.critic is not None:
+                metrics["critic/lr"] = self.critic.role.lr_schedule.lr
+                self.critic.role.lr_schedule.step()
         return metrics
 
     def _on_policy(self) -> bool:
