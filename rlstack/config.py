@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 import yaml
 
+from rlstack.algorithms import names as algorithm_names  # torch-free name lists of the registries
 from rlstack.errors import UserError
+
 
 
 class ConfigError(UserError):
@@ -90,7 +92,8 @@ class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo; "" picks gae for ppo, grpo for grpo
+    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline]; "": gae (ppo), grpo (grpo)
+    policy_loss: str = "vanilla"  # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip)
     gamma: float = 1.0
     lam: float = 1.0
     clip_ratio_low: float = 0.2
@@ -98,11 +101,13 @@ class AlgorithmConfig:
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
     value_clip: float = 0.2
     entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum[-norm] | seq-mean-token-mean
+    loss_scale_factor: int = 0  # the constant of seq-mean-token-sum-norm (Dr.GRPO); 0: rollout.max_new_tokens
     use_kl_loss: bool = True  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    kl_loss_type: str = "k3"  # k1 | k2 | k3, verl's kl | mse | low_var_kl | abs, and "+" variants
     use_kl_in_reward: bool = False  # KL as an in-reward penalty (PPO style)
+    kl_penalty: str = "k1"  # estimator of the in-reward KL (verl's algorithm.kl_penalty; kl = k1)
     kl_ctrl: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001  # in-reward KL coefficient (initial, if adaptive)
     kl_target: float = 0.1  # adaptive controller target KL
@@ -117,6 +122,13 @@ class AlgorithmConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     critic_warmup_steps: int = 0  # steps that train only the critic (PPO)
+    # Learning-rate schedule (megatron-core's OptimizerParamScheduler, one per trained role): a linear
+    # warm-up from 0, then constant or a cosine decay to min_lr_ratio x lr at trainer.total_steps.
+    lr_schedule: str = "constant"  # constant | cosine
+    actor_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    critic_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    lr_warmup_ratio: float = 0.0  # share of trainer.total_steps used to warm up when the steps are 0
+    min_lr_ratio: float = 0.0  # cosine: the final lr as a share of actor_lr / critic_lr
 
 
 @dataclass
@@ -139,6 +151,10 @@ class DataConfig:
     seed: int = 0
     reward_fn_file: str = ""  # python file with verl's compute_score signature
     reward_fn_name: str = "compute_score"
+    reward_fn_batched: bool = False  # the function takes lists (verl's batch reward manager form)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
+    reward_timeout_s: float = 0.0  # per call; a late call scores 0.0 (as verl); 0: no limit
+    reward_scorer: str = ""  # a built-in scorer for every data_source (e.g. gsm8k_lenient); "": by data_source
 
 
 @dataclass
@@ -197,10 +213,13 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": ("ppo", "grpo"),
-    "algorithm.adv_estimator": ("", "gae", "grpo", "drgrpo", "rloo"),
-    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "algorithm.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
+    "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
+    "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
+    "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
+    "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "algorithm.lr_schedule": ("constant", "cosine"),
     "data.truncation": ("error", "drop"),
     "trainer.on_nonfinite": ("stop", "skip"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -272,7 +291,7 @@ def _build(cls, raw: Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names], raw))
+            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names], raw[key], raw))
     kwargs = {}
     for name in names:
         if name in raw:
@@ -280,7 +299,10 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
-def _unknown_key_message(key: str, valid: list[str], raw: Optional[dict] = None) -> str:
+def _unknown_key_message(key: str, valid: list[str], value: Any = None, raw: Optional[dict] = None) -> str:
+    verl_hint = _verl_hint(key, value)
+    if verl_hint:
+        return verl_hint
     close = difflib.get_close_matches(key, _all_keys(valid), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
     note = _no_effect_note(close[0], raw or {}) if close else ""
@@ -307,6 +329,28 @@ def _no_effect_note(key: str, section_raw: dict) -> str:
     return f" (note: {key} has no effect while algorithm.{switch}=false; this config uses {other})"
 
 
+def _verl_hint(key: str, value: Any) -> Optional[str]:
+    """For a verl key (`data.max_response_length`, `actor_rollout_ref.actor.optim.lr`, ...), its
+    rlstack name; `value` is what the key holds, so a verl section names its first verl leaf."""
+    from rlstack.from_verl import rlstack_name_for  # pure Python; imports config only lazily
+
+    for leaf in [key] + _leaf_keys(key, value):
+        target = rlstack_name_for(leaf)
+        if target:
+            return (f"unknown config key '{leaf}': that is verl's name; rlstack's is {target} "
+                    "(python -m rlstack.from_verl translates a whole verl command line)")
+    return None
+
+
+def _leaf_keys(prefix: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    keys = []
+    for k, v in value.items():
+        keys += _leaf_keys(f"{prefix}.{k}", v) if isinstance(v, dict) else [f"{prefix}.{k}"]
+    return keys
+
+
 def _all_keys(valid: list[str]) -> list[str]:
     return valid + [k for k in all_config_keys() if k not in valid]
 
@@ -330,12 +374,20 @@ def _coerce(tp, value: Any, key: str):
         if value is None:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"'{key}' expects a mapping like {{name: value}}, got {value!r}")
+        return dict(value)
     if origin is list:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # verl accepts a single path where a list is expected
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' expects a list like [a,b], got {value!r}")
         return [_coerce(args[0], v, key) for v in value]
+    if isinstance(value, dict):  # a section where rlstack has a value: maybe a verl sub-section
+        hint = _verl_hint(key, value)
+        if hint:
+            raise ConfigError(hint)
     return _scalar(tp, value, key)
 
 
@@ -381,8 +433,14 @@ def check_values(cfg: ExperimentConfig) -> None:
         pass  # critic-free estimators with PPO's critic still work; the critic then only logs values
     if cfg.algorithm.name == "grpo" and cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("'algorithm.adv_estimator=gae' needs a critic: set algorithm.name=ppo")
-    if cfg.rollout.n < 2 and adv_estimator(cfg) in ("grpo", "drgrpo", "rloo"):
+    if cfg.rollout.n < 2 and adv_estimator(cfg) in algorithm_names.GROUP_ESTIMATORS:
         raise ConfigError(f"'{adv_estimator(cfg)}' advantages need groups: set rollout.n >= 2")
+    if cfg.data.reward_scorer:
+        from rlstack.rewards import SCORERS  # pure Python, no torch
+
+        if cfg.data.reward_scorer not in SCORERS:
+            raise ConfigError(f"'data.reward_scorer' is {cfg.data.reward_scorer!r}: choose one of "
+                              f"{', '.join(map(repr, sorted(SCORERS)))} or leave it empty")
     if not cfg.data.train_files and not cfg.data.synthetic:
         raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
 
@@ -434,6 +492,22 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
 def timeout_minutes(cfg: ExperimentConfig, on_gpu: bool) -> float:
     """The collective timeout in minutes (parallel.timeout_minutes, or its auto value)."""
     return cfg.parallel.timeout_minutes or (30.0 if on_gpu else 10.0)
+
+
+def _check_schedule_ranges(cfg: ExperimentConfig) -> None:
+    a = cfg.algorithm
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.min_lr_ratio"):
+        value = get_dotted(cfg, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"'{key}' is {value}: it must lie in [0, 1]")
+    for key in ("algorithm.actor_lr_warmup_steps", "algorithm.critic_lr_warmup_steps",
+                "algorithm.loss_scale_factor", "data.reward_timeout_s"):
+        value = get_dotted(cfg, key)
+        if value < 0:
+            raise ConfigError(f"'{key}' is {value}: it must be >= 0 (0: off or the default)")
+    if a.actor_lr_warmup_steps > cfg.trainer.total_steps or a.critic_lr_warmup_steps > cfg.trainer.total_steps:
+        raise ConfigError(f"'algorithm.*_lr_warmup_steps' ({a.actor_lr_warmup_steps}, {a.critic_lr_warmup_steps}) "
+                          f"exceed trainer.total_steps={cfg.trainer.total_steps}: shorten the warm-up")
 
 
 def adv_estimator(cfg: ExperimentConfig) -> str:

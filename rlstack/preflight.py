@@ -100,7 +100,7 @@ def check_reward(cfg, data_sources: list) -> None:
     """The reward file imports and defines the function; every data source has a scorer."""
     from rlstack.rewards import RewardScorer
 
-    scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
+    scorer = RewardScorer.from_config(cfg.data)
     scorer.check_sources(data_sources)
 
 

@@ -21,7 +21,7 @@ from rlstack.parallel import ParallelGroups
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
 from rlstack.workers.critic import Critic
-from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum, warmup_steps
 from rlstack.workers.step_metrics import reduce_stats
 
 log = logging.getLogger("rlstack")
@@ -42,7 +42,7 @@ class Trainer:
         self.train_set, self.val_set = build_datasets(cfg.data, self.tokenizer)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
-        self.scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
+        self.scorer = RewardScorer.from_config(cfg.data)
         self.scorer.check_sources(self.train_set.data_sources())
         if self.val_set is not None:
             self.scorer.check_sources(self.val_set.data_sources())
@@ -61,16 +61,22 @@ class Trainer:
         a = cfg.algorithm
         dtype = DTYPES[cfg.model.dtype]
         optim = dict(weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                     lr_schedule=a.lr_schedule, total_steps=cfg.trainer.total_steps, min_lr_ratio=a.min_lr_ratio)
+        total = cfg.trainer.total_steps
+        actor_optim = OptimSettings(lr=a.actor_lr, lr_warmup_steps=warmup_steps(
+            a.actor_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
+        critic_optim = OptimSettings(lr=a.critic_lr, lr_warmup_steps=warmup_steps(
+            a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
         recompute = cfg.model.gradient_checkpointing
-        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=OptimSettings(lr=a.actor_lr, **optim),
+        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=actor_optim,
                                         recompute=recompute), a, temperature=cfg.rollout.temperature)
         self.ref = MegatronRole(self.hf_dir, g, dtype) if self.needs_reference else None
         self.critic = None
         if a.name == "ppo":
             critic_dir = cfg.model.critic_path or self.hf_dir
             self.critic = Critic(MegatronRole(critic_dir, g, dtype, value_head=True, recompute=recompute,
-                                              optim=OptimSettings(lr=a.critic_lr, **optim),
+                                              optim=critic_optim,
                                               value_head_seed=cfg.trainer.seed), a)
         self.engine = build_engine(cfg.rollout, self.hf_dir, g, self.tokenizer.eos_token_id,
                                    self.tokenizer.pad_token_id)
@@ -211,6 +217,13 @@ class Trainer:
         for key, norms in (("actor/grad_norm", grad_norms), ("critic/grad_norm", critic_norms)):
             if norms and not forward_only:
                 metrics[key] = sum(norms) / len(norms)
+        if not forward_only:  # the lr schedules count trainer steps (as verl's); the actor's only when it trained
+            if train_actor:
+                metrics["actor/lr"] = self.actor.role.lr_schedule.lr
+                self.actor.role.lr_schedule.step()
+            if self.critic is not None:
+                metrics["critic/lr"] = self.critic.role.lr_schedule.lr
+                self.critic.role.lr_schedule.step()
         return metrics
 
     # Step metrics that must stay finite; a non-finite one stops the run (or, for gradient norms
@@ -276,7 +289,7 @@ class Trainer:
         metrics = {}
         if a.use_kl_in_reward:
             token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"][:n],
-                                                      batch["ref_logprob"][:n], mask, self.kl_ctrl.value, "k1")
+                                                      batch["ref_logprob"][:n], mask, self.kl_ctrl.value, a.kl_penalty)
             kl_mean = all_reduce_sum([float(kl_mean)], g.dp)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
@@ -295,7 +308,10 @@ class Trainer:
         g, mask = self.groups, mini["resp_mask"]
         tokens, seqs = all_reduce_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp)
         num_micro = mini["tokens"].shape[0] // self.cfg.algorithm.micro_batch_size
-        return {"global_num_tokens": tokens, "global_num_seqs": seqs}, float(num_micro * g.dims.dp)
+        # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
+        scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+        return ({"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
+                float(num_micro * g.dims.dp))
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups
@@ -318,12 +334,12 @@ class Trainer:
 
     def _rewards(self, prompts: list, gens: list) -> list[float]:
         """Rule (or custom) score of each generated response against its prompt's ground truth."""
-        scores = []
-        for i, resp, *_ in gens:
-            p = prompts[i]
-            text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
-        return scores
+        from rlstack.rewards import Sample
+
+        samples = [Sample(prompts[i].data_source, self.tokenizer.decode(resp, skip_special_tokens=True),
+                          prompts[i].ground_truth, prompts[i].extra_info, row=prompts[i].index)
+                   for i, resp, *_ in gens]
+        return [r.score for r in self.scorer.score_batch(samples)]
 
 
 def _sum_over(group):
