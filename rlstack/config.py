@@ -426,6 +426,7 @@ def check_values(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
     _check_positive(cfg)
     _check_ranges(cfg)
+    _check_schedule_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
         raise ConfigError(f"'parallel.dp' is {p.dp}: use a positive size or -1 (world / (tp*pp))")
