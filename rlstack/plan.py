@@ -15,9 +15,17 @@ import json
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad flag is a user error: one line, not argparse's usage block."""
+        from rlstack.errors import UserError
+
+        raise UserError(f"{message} (python -m rlstack.plan --help lists the flags)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rlstack.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m rlstack.plan", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
@@ -35,9 +43,6 @@ def main(argv=None) -> int:
 
     try:
         args = parse_args(argv)
-    except SystemExit as e:  # argparse already printed its one-line usage error
-        return 2 if e.code else 0
-    try:
         plan = _plan(args)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

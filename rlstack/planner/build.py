@@ -337,7 +337,7 @@ def runtime_items(dims, cfg, shape, s: Setting, device: str, items: list[Item]) 
         return out + [Item("runtime", "python + torch + megatron + transformers (measured)", _every(CPU_RUNTIME_BYTES))]
     comms = 1 + sum(size > 1 for size in (dims.tp, dims.pp, dims.dp)) + (cfg.rollout.tp > 1)
     out += [Item("runtime", "CUDA context + cuBLAS workspaces", _every(CUDA_CONTEXT_BYTES)),
-            Item("runtime", f"NCCL buffers ({comms} communicators)", _every(comms * NCCL_COMM_BYTES))]
+            Item("runtime", f"NCCL buffers ({comms} communicator{'s' if comms > 1 else ''})", _every(comms * NCCL_COMM_BYTES))]
     training = [i for i in items if i.role != "rollout"]
     headroom = {p: int(ALLOCATOR_HEADROOM * phase_total(training, p)) for p in PHASES}
     out.append(Item("runtime", f"allocator fragmentation ({ALLOCATOR_HEADROOM:.0%} of the training bytes)", headroom))

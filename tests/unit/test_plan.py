@@ -152,3 +152,9 @@ def test_validate_only_plan_needs_the_model_directory():
     tiny = load_config(os.path.join(ROOT, "yaml_configs", "tiny_cpu.yaml"))
     text = format_plan(plan_for_validate(tiny, world_size=2, gpu_memory_gib=40))
     assert "GiB of 40.00 GiB" in text and "model.tiny" in text
+
+
+def test_bad_flag_is_one_line(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "one", "--gpu-memory-gib", "80"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--world-size" in err
