@@ -158,3 +158,22 @@ def test_bad_flag_is_one_line(capsys):
     rc = main(["--config", CFG_0P5B, "--world-size", "one", "--gpu-memory-gib", "80"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--world-size" in err
+
+
+@pytest.mark.parametrize("name,world,gib,fixture", [
+    ("qwen2_0p5b_gsm8k_1gpu.yaml", 1, 40, QWEN_0P5B),
+    ("qwen2_7b_gsm8k_8xa100.yaml", 8, 80, QWEN_7B),
+    ("qwen2_7b_gsm8k_4node.yaml", 32, 80, QWEN_7B),
+])
+def test_shipped_gpu_configs_fit_with_the_planned_vllm_share(name, world, gib, fixture):
+    cfg = load_config(os.path.join(ROOT, "yaml_configs", name))
+    plan = plan_for_config(cfg, world, gib, model_config_file=fixture)
+    assert plan.fits, format_plan(plan)
+    assert plan.kv.need_bytes <= plan.kv.available_bytes <= 1.5 * plan.kv.need_bytes
+
+
+def test_a_vllm_share_far_above_the_kv_need_is_reported():
+    cfg = load_config(CFG_7B, ["rollout.gpu_memory_utilization=0.3"])
+    plan = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
+    assert plan.kv.available_bytes > 3 * plan.kv.need_bytes  # the "~3x its KV need"
+    assert any("rollout.gpu_memory_utilization=0.13" in note for note in plan.notes)
