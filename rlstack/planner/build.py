@@ -48,6 +48,12 @@ class Plan:
     def peak_bytes(self) -> int:
         return self.total(self.peak_phase)
 
+    def allocator_peak(self) -> int:
+        """The peak torch's allocator sees (`torch.cuda.max_memory_allocated`): no CUDA context, NCCL
+        buffers or fragmentation allowance, which live outside its count."""
+        counted = [i for i in self.items if i.role != "runtime" or i.name.startswith("attention scores")]
+        return peak_of(counted)
+
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes and self.kv.available_bytes >= 0

@@ -95,6 +95,7 @@ def plan_to_dict(plan: Plan) -> dict:
                    "bytes": {p: i.at(p) for p in PHASES}} for i in plan.items],
         "phase_bytes": {p: plan.total(p) for p in PHASES},
         "peak_phase": plan.peak_phase, "peak_bytes": plan.peak_bytes, "peak_gib": round(plan.peak_bytes / GIB, 3),
+        "allocator_peak_bytes": plan.allocator_peak(),
         "fits": plan.fits,
         "kv_cache": {"per_token_bytes": plan.kv.per_token_bytes, "num_seqs": plan.kv.num_seqs,
                      "max_model_len": plan.kv.max_model_len, "need_bytes": plan.kv.need_bytes,

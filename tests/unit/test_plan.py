@@ -116,6 +116,7 @@ def test_cli_json_parses(capsys):
     assert rc == (0 if plan["fits"] else 1)
     assert plan["layout"] == {"world_size": 8, "tp": 4, "pp": 1, "dp": 2, "stage": 0}
     assert plan["peak_bytes"] == max(plan["phase_bytes"].values())
+    assert 0 < plan["allocator_peak_bytes"] < plan["peak_bytes"]  # no CUDA context / NCCL / fragmentation
     assert plan["kv_cache"]["per_token_bytes"] == 2 * 28 * 1 * 128 * 2
 
 
