@@ -44,6 +44,11 @@ def _run(args, rank: int) -> int:
         resume = f", resumes from {found.resume_from}" if found.resume_from else ""
         print(f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
               f"data sources {', '.join(found.data_sources) or '-'}{resume})")
+        from rlstack.planner import format_plan, plan_for_validate
+
+        plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
+        if plan is not None:  # the model's config.json is here: the memory plan for this machine
+            print(format_plan(plan))
         return 0
     if cfg.trainer.overwrite:
         cfg.checkpoint.resume = "never"  # the earlier run's checkpoints are deleted at start
