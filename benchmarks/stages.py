@@ -99,11 +99,11 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     """Actor log-prob forward and critic value forward over this DP rank's share of the generations."""
     import torch
 
+    from rlstack import collectives
     from rlstack.trainer import DTYPES
     from rlstack.workers.actor import compute_logprobs
     from rlstack.workers.batch import make_batch
     from rlstack.workers.critic import Critic
-    from rlstack import collectives
     from rlstack.workers.megatron_role import MegatronRole
 
     from rlstack.workers.batch import split_for_rank

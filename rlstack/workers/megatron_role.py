@@ -144,5 +144,3 @@ def cat_stats(stats: list[dict], key: str) -> Optional[torch.Tensor]:
     if not stats:
         return None
     return torch.cat([s[key] for s in stats], dim=0)
-
-
