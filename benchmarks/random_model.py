@@ -26,6 +26,11 @@ SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Qwen2's architecture (QKV bias, tied embeddings, GQA) at tiny shapes, for `gpu_check.sh --cpu`:
+    # head_dim 32 as the CPU attention kernels need; the vocabulary just covers the tiny tokenizer.
+    "qwen2-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 
 

@@ -38,12 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _barrier(g) -> None:
-    import torch
-    import torch.distributed as dist
+    from rlstack import collectives
 
-    if g.device.type == "cuda":
-        torch.cuda.synchronize(g.device)
-    dist.barrier(group=g.world)
+    collectives.barrier(g.world, g.device)  # on a GPU, after this rank's queued kernels
 
 
 def timed(fn, g, reps: int, warmup: int) -> tuple[list[float], object]:
@@ -102,11 +99,12 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     """Actor log-prob forward and critic value forward over this DP rank's share of the generations."""
     import torch
 
+    from rlstack import collectives
     from rlstack.trainer import DTYPES
     from rlstack.workers.actor import compute_logprobs
     from rlstack.workers.batch import make_batch
     from rlstack.workers.critic import Critic
-    from rlstack.workers.megatron_role import MegatronRole, all_reduce_sum
+    from rlstack.workers.megatron_role import MegatronRole
 
     from rlstack.workers.batch import split_for_rank
 
@@ -117,7 +115,7 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     response_ids = [resp for _, resp in rows]
     batch = make_batch(prompt_ids, response_ids, tokenizer.pad_token_id, mbs, g.device)
     local_tokens = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    tokens = all_reduce_sum([float(local_tokens)], g.dp)[0]
+    tokens = collectives.sum_floats([float(local_tokens)], g.dp, g.device)[0]
     dtype = DTYPES[cfg.model.dtype]
     out = {"tokens": tokens, "padded_seq_len": int(batch["tokens"].shape[1]),
            "train_rows_per_rank": mbs * int(batch["tokens"].shape[1])}

@@ -421,7 +421,7 @@ class Checkpointer:
 
     def _resolve_on_rank0(self) -> Optional[str]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or the same error."""
-        import torch.distributed as dist
+        from rlstack import collectives
 
         answer = [None, None]
         if self.groups.rank == 0:
@@ -429,7 +429,7 @@ class Checkpointer:
                 answer[0] = resolve_resume(self.cfg)
             except CheckpointError as e:
                 answer[1] = str(e)
-        dist.broadcast_object_list(answer, src=0, group=self.groups.world)
+        answer = collectives.broadcast_object(answer, 0, self.groups.world, self.groups.device)
         if answer[1] is not None:
             raise CheckpointError(answer[1])
         return answer[0]
@@ -444,9 +444,9 @@ class Checkpointer:
         set_rng_state(torch.load(_rank_file(path, self.groups.rank), weights_only=False))
 
     def _barrier(self) -> None:
-        import torch.distributed as dist
+        from rlstack import collectives
 
-        dist.barrier(group=self.groups.world)
+        collectives.barrier(self.groups.world, self.groups.device)
 
 
 def _check_compatible(path: str, state: dict, roles: dict) -> None:

@@ -91,6 +91,8 @@ def _patch_cuda_tensor_factories() -> None:
 #     (Float16OptimizerWithFloat16Params.__init__), optimizer/clip_grads.py:167
 #     (clip_grad_by_total_norm_fp32, also imported by name into optimizer/optimizer.py:50).
 #     Only inside those functions (the "CPU scope"), a CPU tensor's type() answers with the CUDA type name.
+#     bf16 (model.dtype=bfloat16) goes through Float16OptimizerWithFloat16Params or the distributed
+#     optimizer and needs nothing beyond (d) and (e) (tests/unit/test_cpu_compat.py, bf16 test).
 def _patch_cuda_type_checks() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 

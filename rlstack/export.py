@@ -58,9 +58,8 @@ def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp:
 
 
 def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
-    import torch.distributed as dist
-
     from megatron_bridge.hf import gather_hf_state_dict, read_model_args, save_hf
+    from rlstack import collectives
     from rlstack.checkpoint import HF_SOURCE, load_model_weights
 
     source = os.path.join(path, HF_SOURCE, role)
@@ -83,7 +82,7 @@ def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
         if value_head:
             _write_token_classification_config(out)
         log.info("exported the %s of %s to %s", role, path, out)
-    dist.barrier()
+    collectives.barrier(groups.world, groups.device)
     return out if state is not None else None
 
 
@@ -100,14 +99,15 @@ def _build_empty(args, groups, value_head: bool):
 def _value_head_on_rank0(model, args, groups):
     """The value head weight [1, H] (replicated over TP) from the last pipeline stage, on every stage."""
     import torch
-    import torch.distributed as dist
+
+    from rlstack import collectives
 
     if groups.is_last_stage:
         head = model.output_layer.weight.detach().clone()
     else:
         head = torch.empty((1, args.hidden_size), dtype=model.config.params_dtype, device=groups.device)
     if groups.dims.pp > 1:
-        dist.broadcast(head, src=dist.get_global_rank(groups.pp, groups.dims.pp - 1), group=groups.pp)
+        collectives.broadcast_(head, collectives.src_of_last(groups.pp), groups.pp, groups.device)
     return head.cpu()
 
 

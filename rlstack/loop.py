@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 
 log = logging.getLogger("rlstack")
 
@@ -55,23 +54,14 @@ def _is_collective_timeout(e: BaseException) -> bool:
 
 
 def _stalled_ranks_error(e: BaseException, health, cfg, rank: int):
-    """A collective timed out: ask every rank to check in (gloo's monitored_barrier names the missing ones)."""
-    import datetime
-
-    import torch.distributed as dist
-
+    """A collective timed out: ask every rank to check in, so the message names the missing ones."""
+    from rlstack import collectives
     from rlstack.errors import UserError
 
-    minutes = _timeout(cfg)
-    missing = "some rank(s)"
-    try:
-        dist.monitored_barrier(group=health, timeout=datetime.timedelta(seconds=20), wait_all_ranks=True)
-    except RuntimeError as barrier_error:  # rank 0 hears who did not arrive; others only that it failed
-        found = re.findall(r"[Rr]anks? ([\d, ]+) failed to pass", str(barrier_error))
-        if found:
-            missing = "rank(s) " + found[0].strip().rstrip(",")
-    return UserError(f"{missing} did not answer for {minutes:g} minutes (parallel.timeout_minutes): stalled (stopped, "
-                     f"hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
+    missing = collectives.missing_ranks(health, timeout_s=20)
+    who = f"rank(s) {missing}" if missing else "some rank(s)"
+    return UserError(f"{who} did not answer for {_timeout(cfg):g} minutes (parallel.timeout_minutes): stalled "
+                     f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
                      f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept")
 
 

@@ -147,6 +147,14 @@ def build_gpt(args: ModelArgs, config, pre_process: bool, post_process: bool, pa
     )
     if value_head and post_process:
         model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
+    if config.bf16 or config.fp16:
+        # Megatron's mixed-precision path casts the whole module (Float16Module in
+        # transformer/module.py: `module.bfloat16()`): the local spec's torch RMSNorm is built in fp32
+        # whatever params_dtype says (transformer/torch_norm.py), TE's norms follow params_dtype.
+        # The optimizer then keeps fp32 main params and grads (Float16OptimizerWithFloat16Params or
+        # the distributed optimizer). Inputs are integer tokens and callers upcast outputs
+        # (`.float()` in the log-prob and value code), so the wrapper's casts are not needed.
+        model.to(config.params_dtype)
     mark_tensor_parallel_(model)
     return model
 

@@ -2,7 +2,8 @@
 
 `ParallelDims` validates early (before any process group exists) and `init_distributed` builds the
 groups once and returns them in a `ParallelGroups` that callers pass on; library code never fetches
-groups from `parallel_state` itself. NCCL with CUDA, gloo on CPU (with `cpu_compat` patches).
+groups from `parallel_state` itself. NCCL (with gloo beside it) on CUDA, gloo on CPU (with `cpu_compat`
+patches). Cross-rank reductions go through `rlstack.collectives`.
 """
 
 from __future__ import annotations
@@ -112,11 +113,32 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def process_group_backend(backend: str) -> str:
+    """What `init_process_group` gets: with NCCL, gloo beside it for CPU tensors.
+
+    NCCL alone refuses a CPU tensor (`No backend type associated with device type cpu`). rlstack's
+    own reductions put their tensors on `groups.device` (rlstack.collectives); the gloo half keeps
+    any CPU collective (an object gather, a library's CPU scalar) working. Sub-groups created
+    later with `new_group(backend=None)`, as megatron's parallel_state does, inherit both.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def start_world(backend: str, timeout_minutes: int, world_size: int, rank: int) -> None:
+    """The default process group (env:// as torchrun sets it, or a world of one on a free port)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    _default_rendezvous_env()
+    dist.init_process_group(backend=process_group_backend(backend),
+                            timeout=datetime.timedelta(minutes=timeout_minutes), world_size=world_size, rank=rank)
+
+
 def init_distributed(tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30,
                      seed: int = 0) -> ParallelGroups:
     """Start torch.distributed (env:// as torchrun sets it, or a world of one) and megatron groups."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -129,10 +151,7 @@ def init_distributed(tp: int, pp: int, dp: int = -1, backend: str = "auto", time
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        _default_rendezvous_env()
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                                world_size=world_size, rank=int(os.environ.get("RANK", "0")))
+    start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  distributed_timeout_minutes=timeout_minutes)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

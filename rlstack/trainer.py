@@ -11,8 +11,8 @@ import logging
 import time
 from dataclasses import asdict
 import torch
-import torch.distributed as dist
 
+from rlstack import collectives
 from rlstack.algorithms import build_kl_controller, compute_advantages, place_at_last_token
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
@@ -21,7 +21,7 @@ from rlstack.parallel import ParallelGroups
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
 from rlstack.workers.critic import Critic
-from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum, warmup_steps
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, warmup_steps
 from rlstack.workers.step_metrics import reduce_stats
 
 log = logging.getLogger("rlstack")
@@ -236,7 +236,7 @@ class Trainer:
 
         step, skip = self.step + 1, self.cfg.trainer.on_nonfinite == "skip"
         modules = [self.actor.role.module] + ([self.critic.role.module] if self.critic is not None else [])
-        bad_weights = all_reduce_sum([float(count_nonfinite(modules))], self.groups.world)[0]
+        bad_weights = collectives.sum_floats([float(count_nonfinite(modules))], self.groups.world, self.groups.device)[0]
         if bad_weights:
             raise DivergenceError(f"training diverged at step {step}: {int(bad_weights)} weight tensor(s) hold NaN/inf "
                                   f"after the optimizer step (nothing is saved from this step): lower "
@@ -264,15 +264,16 @@ class Trainer:
         mask = batch["resp_mask"]
         diff = (batch["rollout_logprob"] - batch["old_logprob"]).abs() * mask
         local_max = diff.max().item() if mask.any() else 0.0
-        total, count = all_reduce_sum([float(diff.sum()), float(mask.sum())], self.groups.dp)
-        t = torch.tensor([local_max])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world)
-        return {"actor/rollout_diff": total / max(count, 1.0), "actor/rollout_diff_max": t.item()}
+        g = self.groups
+        total, count = collectives.sum_floats([float(diff.sum()), float(mask.sum())], g.dp, g.device)
+        diff_max = collectives.max_floats([local_max], g.world, g.device)[0]
+        return {"actor/rollout_diff": total / max(count, 1.0), "actor/rollout_diff_max": diff_max}
 
     def _train_throughput(self, batch: dict, actor_s: float, critic_s: float) -> dict:
         """Tokens (prompt + response, all DP ranks) trained per second, per role."""
         g = self.groups
-        tokens = all_reduce_sum([float(batch["num_tokens"]) * self.cfg.algorithm.ppo_epochs], g.dp)[0]
+        local = float(batch["num_tokens"]) * self.cfg.algorithm.ppo_epochs
+        tokens = collectives.sum_floats([local], g.dp, g.device)[0]
         out = {"timing/actor_update_s": actor_s}
         if actor_s > 0:
             out["throughput/actor_tok_s"] = tokens / actor_s
@@ -290,7 +291,7 @@ class Trainer:
         if a.use_kl_in_reward:
             token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"][:n],
                                                       batch["ref_logprob"][:n], mask, self.kl_ctrl.value, a.kl_penalty)
-            kl_mean = all_reduce_sum([float(kl_mean)], g.dp)[0] / g.dims.dp
+            kl_mean = collectives.sum_floats([float(kl_mean)], g.dp, g.device)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
         estimator = adv_estimator(self.cfg)
@@ -298,7 +299,7 @@ class Trainer:
         if estimator == "gae":
             inputs["values"] = batch["old_values"][:n]
         adv, returns = compute_advantages(estimator, mask=mask, group_ids=batch["group_ids"][:n], gamma=a.gamma,
-                                          lam=a.lam, reduce_fn=_sum_over(g.dp), **inputs)
+                                          lam=a.lam, reduce_fn=collectives.sum_over(g.dp, g.device), **inputs)
         rows = batch["resp_mask"].shape[0]
         batch["advantages"] = _pad_rows(adv.detach(), rows)
         batch["returns"] = _pad_rows(returns.detach(), rows)
@@ -306,7 +307,7 @@ class Trainer:
 
     def _counts(self, mini: dict) -> tuple[dict, float]:
         g, mask = self.groups, mini["resp_mask"]
-        tokens, seqs = all_reduce_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp)
+        tokens, seqs = collectives.sum_floats([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp, g.device)
         num_micro = mini["tokens"].shape[0] // self.cfg.algorithm.micro_batch_size
         # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
         scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
@@ -315,8 +316,9 @@ class Trainer:
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups
-        total, count, length = all_reduce_sum([sum(scores), len(scores), sum(len(x[1]) for x in gens)], g.dp)
-        sq = all_reduce_sum([sum((s - total / count) ** 2 for s in scores)], g.dp)[0]
+        local = [sum(scores), len(scores), sum(len(x[1]) for x in gens)]
+        total, count, length = collectives.sum_floats(local, g.dp, g.device)
+        sq = collectives.sum_floats([sum((s - total / count) ** 2 for s in scores)], g.dp, g.device)[0]
         rollout_s = max(timings["timing/rollout_s"], 1e-9)
         return {"reward/mean": total / count, "reward/std": (sq / count) ** 0.5,
                 "response/length_mean": length / count, "throughput/rollout_tok_s": gen_tokens / rollout_s}
@@ -340,14 +342,6 @@ class Trainer:
                           prompts[i].ground_truth, prompts[i].extra_info, row=prompts[i].index)
                    for i, resp, *_ in gens]
         return [r.score for r in self.scorer.score_batch(samples)]
-
-
-def _sum_over(group):
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=group)
-        return t
-
-    return reduce
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

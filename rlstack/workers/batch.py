@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from rlstack import collectives
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, multiple_of: int,
@@ -46,6 +47,4 @@ def gather_objects(local: list, group, size: int) -> list:
     """Concatenate every rank's list, in rank order, on every rank of `group`."""
     if size == 1:
         return local
-    parts = [None] * size
-    dist.all_gather_object(parts, local, group=group)
-    return [item for part in parts for item in part]
+    return [item for part in collectives.all_gather_objects(local, group, size) for item in part]

@@ -53,11 +53,9 @@ def _reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, group, size: int, op: str) -> torch.Tensor:
     if size == 1:
         return x
-    import torch.distributed as dist
+    from rlstack import collectives
 
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    return x
+    return collectives.all_reduce_(x.clone(), group, x.device, op=op)  # x is on the model's device
 
 
 def shift_targets(tokens: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from rlstack import collectives
 from rlstack.parallel import ParallelGroups
 
 
@@ -156,11 +156,8 @@ class MegatronRole:
         g = self.groups
         if g.dims.pp == 1:
             return tensor
-        if tensor is None:
-            tensor = torch.empty(shape, dtype=dtype, device=g.device)
-        src = dist.get_process_group_ranks(g.pp)[-1]
-        dist.broadcast(tensor.contiguous(), src=src, group=g.pp)
-        return tensor
+        tensor = torch.empty(shape, dtype=dtype, device=g.device) if tensor is None else tensor.contiguous()
+        return collectives.broadcast_(tensor, collectives.src_of_last(g.pp), g.pp, g.device)
 
 
 class _nullcontext:
@@ -212,10 +209,3 @@ def cat_stats(stats: list[dict], key: str) -> Optional[torch.Tensor]:
     if not stats:
         return None
     return torch.cat([s[key] for s in stats], dim=0)
-
-
-def all_reduce_sum(values: list[float], group) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
-

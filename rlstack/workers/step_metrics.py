@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
+from rlstack import collectives
 from rlstack.parallel import ParallelGroups
 
 # `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
@@ -15,24 +13,20 @@ _LOSSES = ("loss", "pg_loss")
 
 def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, prefix: str) -> dict:
     keys = [f"{prefix}/{k}" for k in _LOSSES] + [f"{prefix}/{k}_sum" for k in _TOKEN_SUMS] + [f"{prefix}/tokens"]
-    local = torch.zeros(len(keys) + 1, dtype=torch.float64)
-    for s in stats:
-        for j, key in enumerate(keys):
-            if key in s:
-                local[j] += float(s[key])
-    local[-1] = 1.0 if stats else 0.0  # does this rank hold stats (last stage)?
-    dist.all_reduce(local, group=groups.world)
-    holders = local[-1].item()
+    local = [sum(float(s[key]) for s in stats if key in s) for key in keys]
+    local.append(1.0 if stats else 0.0)  # does this rank hold stats (last stage)?
+    total = collectives.sum_floats(local, groups.world, groups.device)
+    holders = total[-1]
     if holders == 0:
         return {}
     # every TP rank of the last stage holds the same stats: sum over DP only
-    per_dp = local / (holders / groups.dims.dp)
+    per_dp = [v / (holders / groups.dims.dp) for v in total]
     out = {}
     for j, key in enumerate(keys[: len(_LOSSES)]):
-        out[key] = per_dp[j].item() / max(num_updates, 1)
-    tokens = per_dp[len(keys) - 1].item()
+        out[key] = per_dp[j] / max(num_updates, 1)
+    tokens = per_dp[len(keys) - 1]
     for j, name in enumerate(_TOKEN_SUMS):
-        value = per_dp[len(_LOSSES) + j].item()
+        value = per_dp[len(_LOSSES) + j]
         if tokens > 0 and value != 0.0:
             out[f"{prefix}/{name}"] = value / tokens
     out.update(_max_stats(stats, groups, prefix))
@@ -42,6 +36,6 @@ def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, pr
 def _max_stats(stats: list[dict], groups: ParallelGroups, prefix: str) -> dict:
     """`<prefix>/<name>_max` stats: the maximum over micro-batches and ranks."""
     key = f"{prefix}/rollout_diff_max"
-    local = torch.tensor([max((float(s[key]) for s in stats if key in s), default=-1.0)])
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=groups.world)
-    return {key: local.item()} if local.item() >= 0 else {}
+    local = max((float(s[key]) for s in stats if key in s), default=-1.0)
+    value = collectives.max_floats([local], groups.world, groups.device)[0]
+    return {key: value} if value >= 0 else {}

@@ -35,7 +35,8 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     from megatron_bridge.hf import gather_hf_state_dict
     from rlstack.parallel import init_distributed
     from rlstack.workers.actor import token_logprobs
-    from rlstack.workers.megatron_role import MegatronRole, OptimSettings, all_reduce_sum, split_micro_batches
+    from rlstack.collectives import sum_floats
+    from rlstack.workers.megatron_role import MegatronRole, OptimSettings, split_micro_batches
 
     g = init_distributed(tp, pp)
     role = MegatronRole(hf_dir, g, torch.float32,
@@ -44,7 +45,7 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     full = _batch(role.args.vocab_size)
     per_dp = BATCH // g.dims.dp
     local = {k: v[g.dp_rank * per_dp:(g.dp_rank + 1) * per_dp] for k, v in full.items()}
-    total_tokens = all_reduce_sum([float(local["resp_mask"].sum())], g.dp)[0]
+    total_tokens = sum_floats([float(local["resp_mask"].sum())], g.dp, g.device)[0]
     micro = split_micro_batches(local, MICRO)
     scale = len(micro) * g.dims.dp
 
@@ -56,7 +57,7 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     role.model.zero_grad_buffer()
     role.optimizer.zero_grad()
     stats = role.run(micro, loss_fn, forward_only=False)
-    loss = all_reduce_sum([sum(float(s["loss"]) for s in stats)], g.world)[0] / tp
+    loss = sum_floats([sum(float(s["loss"]) for s in stats)], g.world, g.device)[0] / tp
     grads = _gathered_grads(role, g)
     ok, grad_norm, _ = role.optimizer.step()
     assert ok

@@ -68,3 +68,20 @@ def test_tensor_cuda_only_inside_cpu_scope():
     assert _with_cuda_type_names(lambda: t.cuda())() is t
     with pytest.raises((AssertionError, RuntimeError)):
         t.cuda()
+
+
+def test_bf16_float16_optimizer_builds_fp32_main_params_on_cpu():
+    """bf16 reaches two CUDA assumptions, both covered by the patches above, nothing new:
+    optimizer/optimizer.py:485 (`_scale_one` with device='cuda', MixedPrecisionOptimizer.__init__ when
+    bf16 has no grad scaler: patch d) and optimizer.py:671 (param.type() in
+    'torch.cuda.BFloat16Tensor' in Float16OptimizerWithFloat16Params.__init__: patch e)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    config = OptimizerConfig(optimizer="adam", lr=0.1, bf16=True, params_dtype=torch.bfloat16)
+    opt = Float16OptimizerWithFloat16Params(torch.optim.Adam([p], lr=0.1), config, None, lambda o: None)
+    main = opt.optimizer.param_groups[0]["params"][0]
+    assert main is p.main_param and main.dtype == torch.float32 and main is not p
+    assert opt.get_loss_scale().device.type == "cpu" and opt.get_loss_scale().item() == 1.0
+    assert p.type() == "torch.BFloat16Tensor"  # outside the wrapped constructor: the true name
