@@ -208,10 +208,14 @@ class SyncStats:
     bytes: int = 0  # bytes written into the engine from Megatron shards (local copies + received)
     bytes_received: int = 0  # the part that came from other ranks
     peak_extra_bytes: int = 0  # transport buffers + staged engine tensors, at their largest
+    verify_max_diff: Optional[float] = None  # engine vs actor log-probs on a probe after this sync, if checked
 
     def as_metrics(self) -> dict:
-        return {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
-                "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+        out = {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
+               "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+        if self.verify_max_diff is not None:
+            out["sync/verify_max_diff"] = self.verify_max_diff
+        return out
 
 
 @dataclass

@@ -18,6 +18,7 @@ from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.observability.progress import progress
 from rlstack.parallel import ParallelGroups
+from rlstack.rollout import sync_check
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
 from rlstack.workers.critic import Critic
@@ -96,6 +97,7 @@ class Trainer:
         t0 = time.perf_counter()
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
+        sync_check.after_sync(self, sync_stats)  # rollout.verify_sync: stale engine weights stop the run
 
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
@@ -109,6 +111,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         metrics = self._update(batch, forward_only=dry_run)
+        sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
         timings["timing/step_s"] = time.perf_counter() - t_step
 

@@ -101,6 +101,9 @@ def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGro
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
     """
+    from rlstack.rollout.sync_check import check_settings
+
+    check_settings(rollout_cfg)
     if rollout_cfg.engine not in ENGINES:
         raise UserError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
     if groups.dims.world_size % rollout_cfg.tp:
