@@ -137,3 +137,29 @@ def test_collective_timeout_is_minutes_not_half_an_hour_on_cpu():
     cfg = load_config(TINY)
     assert timeout_minutes(cfg, on_gpu=False) == 10 and timeout_minutes(cfg, on_gpu=True) == 30
     assert timeout_minutes(load_config(TINY, ["parallel.timeout_minutes=0.5"]), on_gpu=False) == 0.5
+
+
+def test_export_refuses_a_non_empty_directory_without_force(tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "rlstack.export", "--ckpt", str(tmp_path / "nothing"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: --out {out} is not empty: choose a new directory, "
+                                                    "or pass --force to write into it")
+    assert (out / "config.json").read_text() == "{}"
+
+
+def test_latest_pointer_file_is_a_valid_ckpt_argument(tmp_path):
+    from rlstack.checkpoint import LATEST, resolve_path, write_marker
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        path = root / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+        write_marker(str(path), step)
+    (root / LATEST).write_text("step_00000001\n")
+    assert resolve_path(str(root / LATEST), "--ckpt") == str(root / "step_00000001")
+    assert resolve_path(str(root), "--ckpt") == str(root / "step_00000002")
