@@ -139,7 +139,7 @@ def run(args) -> dict:
     from rlstack.config import load_config
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.trainer import _load_tokenizer
 
     cfg = load_config(args.config, args.overrides)
@@ -174,7 +174,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from rlstack.parallel import destroy_distributed
+    from megatron_bridge.parallel import destroy_distributed
 
     try:
         result = run(args)

@@ -95,7 +95,7 @@ def load_mcore_checkpoint(model, ckpt_dir: str) -> None:
 def export_rank(mcore_dir: str, hf_out: str, groups) -> dict:
     """This rank's stage from the dist checkpoint; rank 0 writes the HF directory."""
     from megatron_bridge.hf import check_layout, gather_hf_state_dict, save_hf
-    from rlstack.models import ModelArgs, build_gpt, transformer_config
+    from megatron_bridge.models import ModelArgs, build_gpt, transformer_config
 
     layout = read_layout(mcore_dir)
     args = ModelArgs.from_hf_config(layout["hf_config"])
@@ -117,7 +117,7 @@ def run_rank(mode: str, opts) -> dict:
     import torch
     import torch.distributed as dist
 
-    from rlstack.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = init_distributed(opts.tp, opts.pp)
@@ -158,8 +158,8 @@ def free_port() -> int:
 def prepare(opts) -> str:
     """Validate flags and paths before any process starts; fill --tp/--pp."""
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
-    from rlstack.models import ModelArgs
-    from rlstack.parallel import ParallelDims
+    from megatron_bridge.models import ModelArgs
+    from megatron_bridge.parallel import ParallelDims
 
     mode = check_options(opts)
     if mode == "import":

@@ -55,17 +55,14 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def read_model_args(hf_dir: str):
-    from rlstack.models import ModelArgs
+    from megatron_bridge.models import ModelArgs
 
     return ModelArgs.from_hf_config(read_hf_config(hf_dir))
 
 
 def check_layout(args, dims) -> None:
     """TP must divide heads and query groups, PP the layers (ValueError naming the fix)."""
-    from rlstack.parallel import ModelShape
-
-    dims.check_model(ModelShape(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                                num_query_groups=args.num_query_groups, vocab_size=args.vocab_size))
+    dims.check_model(args)
 
 
 # ---------------------------------------------------------------- reading slices
@@ -171,7 +168,7 @@ def load_hf_weights(model, hf_dir: str, args, groups, te_spec: Optional[bool] = 
 def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float32, value_head: bool = False,
                            recompute: bool = False):
     """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args)."""
-    from rlstack.models import ValueHead, build_gpt, init_value_head_, transformer_config
+    from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
     args = read_model_args(hf_dir)
     check_layout(args, groups.dims)

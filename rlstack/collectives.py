@@ -4,7 +4,7 @@ Why one module: NCCL refuses CPU tensors (`No backend type associated with devic
 most metric code naturally builds CPU tensors (`torch.tensor([loss, tokens])`). Here every tensor
 that crosses a group is first put on `device` (the rank's `ParallelGroups.device`: its GPU under
 NCCL, the CPU under gloo) and results come back as Python floats or on the caller's device. On CUDA
-the default group is also created as `cpu:gloo,cuda:nccl` (`rlstack.parallel.process_group_backend`), so a
+the default group is also created as `cpu:gloo,cuda:nccl` (`megatron_bridge.parallel.process_group_backend`), so a
 CPU tensor that slipped through would still have a path, but nothing here relies on that.
 
 `tests/unit/test_collectives.py` fails when code under rlstack/ or benchmarks/ calls a raw

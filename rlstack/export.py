@@ -43,7 +43,7 @@ def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp:
                       groups=None) -> dict:
     """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
     from rlstack.checkpoint import resolve_path
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     path = resolve_path(ckpt, "--ckpt")
     with open(os.path.join(path, "trainer_state.json")) as f:
@@ -88,7 +88,7 @@ def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
 
 def _build_empty(args, groups, value_head: bool):
     """One pipeline stage without initialising weights: the checkpoint fills every parameter."""
-    from rlstack.models import build_gpt, transformer_config
+    from megatron_bridge.models import build_gpt, transformer_config
 
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp)
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from rlstack.parallel import destroy_distributed
+    from megatron_bridge.parallel import destroy_distributed
 
     critic_out = (args.critic_out or args.out.rstrip("/") + "-critic") if args.critic else None
     for flag, out in (("--out", args.out), ("--critic-out", critic_out)):

@@ -12,7 +12,7 @@ log = logging.getLogger("rlstack")
 def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "") -> int:
     import torch
 
-    from rlstack.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     _set_threads(cfg.parallel.threads_per_rank)
     p = cfg.parallel

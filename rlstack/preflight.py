@@ -21,7 +21,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 @dataclass
 class Preflight:
-    dims: object  # rlstack.parallel.ParallelDims
+    dims: object  # megatron_bridge.parallel.ParallelDims
     data_sources: list
     resume_from: str  # checkpoint directory the run resumes from ("" = none)
 

@@ -17,7 +17,7 @@ from rlstack.algorithms import build_kl_controller, compute_advantages, place_at
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.observability.progress import progress
-from rlstack.parallel import ParallelGroups
+from megatron_bridge.parallel import ParallelGroups
 from rlstack.rollout import sync_check
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank

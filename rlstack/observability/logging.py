@@ -16,6 +16,7 @@ import time
 from typing import Callable, Optional, TypeVar
 
 LOGGER_NAME = "rlstack"
+BRIDGE_LOGGER_NAME = "megatron_bridge"
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 FILE_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
@@ -88,25 +89,32 @@ def setup_logging(output_dir: Optional[str], rank: int, level: str = "INFO") -> 
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise UserError(f"logging level {level!r} is unknown: use DEBUG, INFO, WARNING or ERROR")
     log = logging.getLogger(LOGGER_NAME)
-    for handler in list(log.handlers):
-        if getattr(handler, "_rlstack", False):
-            log.removeHandler(handler)
-            handler.close()
-    log.setLevel(level)
-    # Our handlers are the only output: a library calling logging.basicConfig() on the root
-    # logger must not duplicate every line.
-    log.propagate = False
+    # The bridge logs under its own name (it never imports rlstack); its records share our handlers.
+    loggers = (log, logging.getLogger(BRIDGE_LOGGER_NAME))
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if getattr(handler, "_rlstack", False):
+                logger.removeHandler(handler)
+                handler.close()
+        logger.setLevel(level)
+        # Our handlers are the only output: a library calling logging.basicConfig() on the root
+        # logger must not duplicate every line.
+        logger.propagate = False
     _state["rank"] = rank
+    handlers = []
     if rank == 0:
         console = _ConsoleHandler()
         console.setFormatter(logging.Formatter(CONSOLE_FORMAT, DATE_FORMAT))
-        _add(log, console, rank)
+        handlers.append(console)
     if output_dir is not None:
         log_dir = os.path.join(output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
         file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
-        _add(log, file_handler, rank)
+        handlers.append(file_handler)
+    for logger in loggers:
+        for handler in handlers:
+            _add(logger, handler, rank)
     return log
 
 

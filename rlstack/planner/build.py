@@ -93,13 +93,12 @@ def plan_for_config(cfg, world_size: int, gpu_memory_gib: float, device: str = "
 
 
 def _dims(cfg, world_size: int, args):
-    from rlstack.parallel import ModelShape, ParallelDims
+    from megatron_bridge.parallel import ParallelDims
 
     p = cfg.parallel
     try:
         dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size)
-        dims.check_model(ModelShape(args.num_layers, args.num_attention_heads, args.num_query_groups,
-                                    args.vocab_size))
+        dims.check_model(args)
     except ValueError as e:
         raise UserError(str(e))
     if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tp:

@@ -1,17 +1,17 @@
-"""The model's shape from its config.json alone (no weights), as `rlstack.models.ModelArgs`.
+"""The model's shape from its config.json alone (no weights), as `megatron_bridge.hf_config.ModelArgs`.
 
 `model.path: default` uses the embedded SmolLM2-135M-Instruct's config.json (the numbers in
-FINDINGS.md and `parallel.DEFAULT_MODEL_SHAPE`), `tiny` the config's `model.tiny` shape, anything
+docs/bridge.md), `tiny` the config's `model.tiny` shape, anything
 else `<model.path>/config.json`, or the file passed as `--model-config`. There is no silent
 fallback: a missing config.json is a user error that names both fixes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
+from megatron_bridge.hf_config import read_config_file
 from rlstack.errors import UserError
 from rlstack.planner.memory import Shape
 
@@ -41,7 +41,7 @@ def tiny_hf_config(tiny) -> dict:
 def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[dict, str]:
     """(config.json as a dict, where it came from) for the configured model."""
     if model_config_file:
-        return _read_json(model_config_file, "--model-config"), model_config_file
+        return read_config_file(model_config_file), model_config_file
     if model_cfg.path == "tiny":
         return tiny_hf_config(model_cfg.tiny), "model.tiny"
     if model_cfg.path == "default":
@@ -49,36 +49,25 @@ def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[d
 
         cached = os.path.join(default_model_dir(model_cfg.cache_dir), "config.json")
         if os.path.isfile(cached):
-            return _read_json(cached, "model.path=default"), cached
+            return read_config_file(cached), cached
         return dict(SMOLLM2_135M_CONFIG), "embedded SmolLM2-135M-Instruct config"
     path = os.path.join(model_cfg.path, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
                         f"or pass --model-config FILE (a config.json; tests/assets/model_configs/ has Qwen2's)")
-    return _read_json(path, "model.path"), path
+    return read_config_file(path), path
 
 
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{what}: {path} not found: pass the model's config.json")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{what}: {path} is not valid JSON (line {e.lineno}): pass the model's config.json")
-    if not isinstance(raw, dict):
-        raise UserError(f"{what}: {path} must hold a JSON object (an HF config.json)")
-    return raw
+def model_config_present(model_cfg) -> bool:
+    """`default` and `tiny` always have a shape; an HF directory needs its config.json."""
+    return model_cfg.path in ("default", "tiny") or os.path.isfile(os.path.join(model_cfg.path, "config.json"))
 
 
 def model_args(hf: dict, source: str):
-    """ModelArgs from a config.json dict; unsupported architectures are the user's to fix."""
-    from rlstack.models import ModelArgs
+    """ModelArgs from a config.json dict (InputError naming `source` when it is incomplete or unsupported)."""
+    from megatron_bridge.hf_config import ModelArgs
 
-    try:
-        return ModelArgs.from_hf_config(hf)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{source}: {e}")
+    return ModelArgs.from_hf_config(hf, source)
 
 
 def shape_of(args, tp: int, make_vocab_size_divisible_by: int) -> Shape:

@@ -6,11 +6,7 @@ import os
 from typing import Optional
 
 from rlstack.planner.build import Plan, plan_for_config
-
-
-def model_config_present(model_cfg) -> bool:
-    """`default` and `tiny` always have a shape; an HF directory needs its config.json."""
-    return model_cfg.path in ("default", "tiny") or os.path.isfile(os.path.join(model_cfg.path, "config.json"))
+from rlstack.planner.shapes import model_config_present
 
 
 def local_device_memory_gib(local_world_size: int = 1) -> tuple[str, float]:

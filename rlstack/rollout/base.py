@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # keep `import rlstack.rollout.base` free of torch
     import torch
 
     from rlstack.config import RolloutConfig
-    from rlstack.parallel import ParallelGroups
+    from megatron_bridge.parallel import ParallelGroups
 
 ENGINES = ("hf", "vllm")
 

@@ -2,7 +2,7 @@
 
 Two checks, both reduced over every rank so all ranks stop together:
 - after the weight sync, every `rollout.verify_sync` steps: the engine's greedy log-probs on a small
-  probe batch (the first training prompts) against the actor's (`megatron_bridge.verify_sync.verify_engine`),
+  probe batch (the first training prompts) against the actor's (`rlstack.rollout.verify_sync.verify_engine`),
   and the sync moved bytes at all;
 - every step while the check is on: `actor/rollout_diff_max`, the largest |engine - actor| log-prob
   over the step's own rollout that the trainer computes anyway, held to the same tolerance.
@@ -55,7 +55,7 @@ def due(cfg: "RolloutConfig", step: int) -> bool:
 
 def after_sync(trainer, stats: "SyncStats") -> None:
     """Probe the engine right after `trainer`'s sync when due; records `sync/verify_max_diff` in `stats`."""
-    from megatron_bridge.verify_sync import verify_engine
+    from rlstack.rollout.verify_sync import verify_engine
 
     cfg, step = trainer.cfg.rollout, trainer.step
     if not due(cfg, step):

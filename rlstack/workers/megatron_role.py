@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from rlstack import collectives
-from rlstack.parallel import ParallelGroups
+from megatron_bridge.parallel import ParallelGroups
 
 
 @dataclass
@@ -99,7 +99,7 @@ class MegatronRole:
         model, self.args = build_megatron_from_hf(hf_dir, groups, dtype=dtype, value_head=value_head,
                                                   recompute=recompute)
         if value_head and groups.is_last_stage:
-            from rlstack.models import init_value_head_
+            from megatron_bridge.models import init_value_head_
 
             init_value_head_(model.output_layer, seed=value_head_seed)
         self.config = model.config

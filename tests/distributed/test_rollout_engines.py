@@ -133,7 +133,7 @@ def test_hf_engine_load_weights_validates(tiny_qwen2):
 def _engines_in_world(hf_dir, kinds):
     import torch.distributed as dist
 
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.rollout.base import build_engine
 
     groups = init_distributed(1, 1)  # DP = world size
@@ -181,7 +181,7 @@ def _perturbed_state(model) -> dict:
 
 
 def _vllm_after_load_weights(hf_dir):
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.rollout.base import build_engine
 
     groups = init_distributed(1, 1)

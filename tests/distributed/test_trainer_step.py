@@ -23,7 +23,7 @@ _GROUPS = {}
 
 
 def _groups(cfg):
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     if "g" not in _GROUPS:
         p = cfg.parallel

@@ -42,8 +42,8 @@ def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp, transport="auto"):
 
     from megatron_bridge.hf import build_megatron_from_hf
     from megatron_bridge.reshard import WeightSync
-    from megatron_bridge.verify_sync import perturb_weights, verify_engine
-    from rlstack.parallel import init_distributed
+    from rlstack.rollout.verify_sync import perturb_weights, verify_engine
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(tp, pp)
     model, args = build_megatron_from_hf(hf_dir, groups)
@@ -124,7 +124,7 @@ def _step_then_sync(hf_dir, kind, out_dir):
 
     from megatron_bridge.hf import build_megatron_from_hf, gather_hf_state_dict, save_hf
     from megatron_bridge.reshard import WeightSync
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.rollout.base import SamplingParams
     from rlstack.rollout.hf_engine import HFEngine
 
@@ -180,7 +180,7 @@ def _failing_syncs(hf_dir, other_dir):
 
     from megatron_bridge.hf import build_megatron_from_hf
     from megatron_bridge.reshard import WeightSync
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(2, 1)
     model, args = build_megatron_from_hf(hf_dir, groups)

@@ -130,7 +130,7 @@ def test_config_keys():
 
 
 def _role_lrs(hf_dir):
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.workers.megatron_role import MegatronRole
 
     g = init_distributed(1, 1)

@@ -1,7 +1,7 @@
 """Train/rollout agreement after a weight sync: engine log-probs vs the Megatron actor's.
 
 `verify_engine` is what the trainer calls after a sync (`rollout.verify_sync`); `engine_check` is the
-`--engine hf|vllm --rollout-tp K` entry of `python -m megatron_bridge.verify` (see `add_engine_args`).
+`--engine hf|vllm --rollout-tp K` entry of `python -m rlstack.verify` (see `add_engine_args`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
     import torch.distributed as dist
 
     from megatron_bridge.verify import megatron_logits
+    from rlstack import collectives
     from rlstack.rollout.base import SamplingParams
 
     gens = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=max_new_tokens))
-    every = [None] * dist.get_world_size(groups.mp)
-    dist.all_gather_object(every, [g.prompt_ids + g.response_ids for g in gens], group=groups.mp)
+    every = collectives.all_gather_objects([g.prompt_ids + g.response_ids for g in gens], groups.mp,
+                                           dist.get_world_size(groups.mp))
     rows = [r for member in every for r in member]
     offset = sum(len(m) for m in every[:dist.get_group_rank(groups.mp, groups.rank)])
     input_ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)  # [B, S] right-padded
@@ -46,9 +47,7 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
         steps = torch.arange(start, start + len(g.response_ids))
         actor = logprobs[offset + k, steps, torch.tensor(g.response_ids)]  # [R]
         worst = torch.maximum(worst, (actor.double() - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max())
-    worst = worst.to(groups.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.world)
-    value = float(worst.item())
+    value = collectives.max_floats([float(worst)], groups.world, groups.device)[0]
     if not value <= tol:
         log.warning("rollout engine and actor disagree after the weight sync: max |logprob diff| %.3e > %.1e",
                     value, tol)
