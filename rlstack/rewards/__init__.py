@@ -29,6 +29,7 @@ from rlstack.rewards.custom import (
     extras_metrics,
     extras_sums,
     load_custom_reward,
+    merge_extras_sums,
     where,
 )
 
@@ -176,5 +177,5 @@ class RewardScorer:
 
 _TIMED_OUT = object()
 
-__all__ = ["SCORERS", "RewardScorer", "Sample", "ScoreResult", "extras_metrics", "extras_sums",
+__all__ = ["SCORERS", "RewardScorer", "Sample", "ScoreResult", "extras_metrics", "extras_sums", "merge_extras_sums",
            "load_custom_reward", "SIGNATURE", "BATCHED_SIGNATURE"]

@@ -409,3 +409,13 @@ def test_custom_reward_load_errors(reward_file, tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(UserError, match=r"broken\.py failed to import \(ModuleNotFoundError"):
         load_custom_reward(str(broken))
+
+
+def test_extras_from_several_ranks_merge_by_sums(reward_file):
+    from rlstack.rewards import merge_extras_sums
+    scorer = RewardScorer(custom_file=reward_file)
+    rank0 = extras_sums(scorer.score_batch([Sample("s", "4", "4"), Sample("s", "5", "4")]))
+    rank1 = extras_sums(scorer.score_batch([Sample("s", "4", "4")]))
+    assert merge_extras_sums([rank0, rank1]) == {"reward_extra/acc": pytest.approx(2 / 3),
+                                                 "reward_extra/timed_out": 0.0}
+    assert merge_extras_sums([{}, rank1]) == {"reward_extra/acc": 1.0, "reward_extra/timed_out": 0.0}
