@@ -188,7 +188,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """Logs, trackers and resource warnings."""
 
-    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
+    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb, mlflow
     level: str = "INFO"
     memory_warn_fraction: float = 0.85  # WARNING when RSS (or GPU memory) passes this share
     progress: bool = True  # tqdm bars on rank 0 for rollout and validation
@@ -225,7 +225,7 @@ CHOICES = {
     "trainer.on_nonfinite": ("stop", "skip"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
-TRACKERS = ("console", "jsonl", "tensorboard", "wandb")
+TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 # ----------------------------------------------------------------------------- loading

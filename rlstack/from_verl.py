@@ -137,7 +137,7 @@ SPECIAL: dict[str, str] = {
     "trainer.resume_from_path": "checkpoint.resume",
     "trainer.n_gpus_per_node": "the launch: torchrun --nproc_per_node",
     "trainer.nnodes": "the launch: torchrun --nnodes",
-    "reward.reward_manager.name": "data.reward_fn_batched (batch) ",
+    "reward.reward_manager.name": "data.reward_fn_batched (batch)",
     "reward_model.reward_manager": "data.reward_fn_batched (batch)",
     "reward_model.enable": "(model-based rewards are not supported)",
 }

@@ -93,7 +93,8 @@ def _start(cfg, groups, config_yaml: str):
     from rlstack.config import to_dict
 
     trackers = build_trackers(cfg.logging.trackers, out, groups.rank, config_dict=to_dict(cfg),
-                              project=cfg.logging.project, run_name=cfg.logging.run_name)
+                              project=cfg.logging.project, run_name=cfg.logging.run_name,
+                              resume=cfg.checkpoint.resume != "never")  # W&B/MLflow continue the same run
     return trainer, trackers
 
 

@@ -118,6 +118,7 @@ class Trainer:
         metrics.update(timings)
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
+        metrics.update(self._reward_extra_metrics(over_dp=True))
         self._check_finite(metrics)
         self.step += 1
         return metrics
@@ -335,7 +336,10 @@ class Trainer:
 
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, _ = self.generate(prompts, greedy=True)
-        return val_accuracy(self._rewards(prompts, gens), [prompts[i].data_source for i, *_ in gens])
+        metrics = val_accuracy(self._rewards(prompts, gens), [prompts[i].data_source for i, *_ in gens])
+        # every rank scored every validation response: no reduction over ranks
+        metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
+        return metrics
 
     def _rewards(self, prompts: list, gens: list) -> list[float]:
         """Rule (or custom) score of each generated response against its prompt's ground truth."""
@@ -344,7 +348,21 @@ class Trainer:
         samples = [Sample(prompts[i].data_source, self.tokenizer.decode(resp, skip_special_tokens=True),
                           prompts[i].ground_truth, prompts[i].extra_info, row=prompts[i].index)
                    for i, resp, *_ in gens]
-        return [r.score for r in self.scorer.score_batch(samples)]
+        self._reward_results = self.scorer.score_batch(samples)
+        return [r.score for r in self._reward_results]
+
+    def _reward_extra_metrics(self, over_dp: bool) -> dict:
+        """`reward_extra/<key>`: means of the custom reward function's numeric extra dict keys (and
+        the share of calls past data.reward_timeout_s) over the last scored samples. Ranks may see
+        different keys, so (sum, count) pairs are all-gathered rather than all-reduced."""
+        from rlstack.rewards import extras_sums, merge_extras_sums
+
+        if self.scorer.custom_fn is None:
+            return {}
+        local = extras_sums(getattr(self, "_reward_results", []))
+        g = self.groups
+        parts = gather_objects([local], g.dp, g.dims.dp) if over_dp else [local]
+        return merge_extras_sums(parts)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

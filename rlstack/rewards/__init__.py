@@ -7,7 +7,8 @@ Pure Python (no torch). The trainer builds one `RewardScorer.from_config(cfg.dat
 Which function scores a sample: the custom function when `data.reward_fn_file` is set (for every
 data_source, as verl's custom_reward_function); else the built-in named by `data.reward_scorer`
 when set (for every data_source); else the built-in registered under the sample's data_source.
-`openai/gsm8k` is scored exactly as verl 0.9.1 scores it (rlstack.rewards.gsm8k).
+`openai/gsm8k` and verl's MATH sources are scored exactly as verl 0.9.1 scores them
+(rlstack.rewards.gsm8k, rlstack.rewards.math).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from rlstack.errors import UserError
-from rlstack.rewards import rules
+from rlstack.rewards import math, rules
 from rlstack.rewards.custom import (
     BATCHED_SIGNATURE,
     SIGNATURE,
@@ -28,6 +29,7 @@ from rlstack.rewards.custom import (
     extras_metrics,
     extras_sums,
     load_custom_reward,
+    merge_extras_sums,
     where,
 )
 
@@ -40,6 +42,9 @@ SCORERS: dict[str, Callable[..., float]] = {
     "gsm8k_flexible": rules.gsm8k_verl_flexible,  # verl's flexible mode, exactly
     "gsm8k_lenient": rules.gsm8k_lenient_strict,  # rlstack's numeric reading: NOT verl's numbers
     "gsm8k_lenient_flexible": rules.gsm8k_lenient_flexible,
+    # verl's math_reward for its MATH sources, exactly
+    # (verl scores data_source "math" with math_dapo, which is not ported: no alias here)
+    **{source: rules.math_verl for source in math.SOURCES},
     "arith": rules.arith,  # flexible by default, see rules.arith
     "copy": rules.copy,
 }
@@ -172,5 +177,5 @@ class RewardScorer:
 
 _TIMED_OUT = object()
 
-__all__ = ["SCORERS", "RewardScorer", "Sample", "ScoreResult", "extras_metrics", "extras_sums",
+__all__ = ["SCORERS", "RewardScorer", "Sample", "ScoreResult", "extras_metrics", "extras_sums", "merge_extras_sums",
            "load_custom_reward", "SIGNATURE", "BATCHED_SIGNATURE"]

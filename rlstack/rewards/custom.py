@@ -203,6 +203,16 @@ def extras_metrics(results: list[ScoreResult], prefix: str = "reward_extra/") ->
     return {k: total / count for k, (total, count) in extras_sums(results, prefix).items()}
 
 
+def merge_extras_sums(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """Means from several ranks' extras_sums (e.g. all-gathered): sum the sums and counts, divide."""
+    merged: dict[str, tuple[float, int]] = {}
+    for part in parts:
+        for key, (total, count) in part.items():
+            t, c = merged.get(key, (0.0, 0))
+            merged[key] = (t + total, c + count)
+    return {k: total / count for k, (total, count) in sorted(merged.items()) if count}
+
+
 def extras_sums(results: list[ScoreResult], prefix: str = "reward_extra/") -> dict[str, tuple[float, int]]:
     """{metric name: (sum, count)} over this rank's results; sum over ranks, then divide."""
     sums: dict[str, tuple[float, int]] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlstack.rewards import gsm8k
+from rlstack.rewards import gsm8k, math
 
 
 def gsm8k_verl_strict(solution_str: str, ground_truth, extra_info: Optional[dict] = None) -> float:
@@ -28,6 +28,11 @@ def gsm8k_lenient_strict(solution_str: str, ground_truth, extra_info: Optional[d
 def gsm8k_lenient_flexible(solution_str: str, ground_truth, extra_info: Optional[dict] = None) -> float:
     """rlstack's lenient last-number reading, compared as numbers."""
     return gsm8k.lenient_score(solution_str, ground_truth, method="flexible")
+
+
+def math_verl(solution_str: str, ground_truth, extra_info: Optional[dict] = None) -> float:
+    """verl's default for the MATH sources: the last boxed answer, normalised (rlstack.rewards.math)."""
+    return math.compute_score(solution_str, ground_truth)
 
 
 def arith(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:

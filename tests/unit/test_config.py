@@ -47,7 +47,7 @@ def test_single_path_becomes_list():
     ("rollout.temperature=hot", "'rollout.temperature' expects float"),
     ("algorithm.use_kl_loss=3", "expects bool"),
     ("rollout.engine=sglang", "choose one of 'hf', 'vllm'"),
-    ("logging.trackers=[console,mlflow]", "unknown tracker 'mlflow'"),
+    ("logging.trackers=[console,neptune]", "unknown tracker 'neptune'"),
     ("trainer.total_steps=0", "must be at least 1"),
     ("rollout.n", "is not key=value"),
     ("rollout=3", "must be a section"),

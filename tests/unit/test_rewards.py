@@ -4,6 +4,7 @@ import pytest
 
 from rlstack.errors import UserError
 from rlstack.rewards import SCORERS, RewardScorer, Sample, extras_metrics, extras_sums, gsm8k
+from rlstack.rewards import math as math_reward
 from rlstack.rewards.custom import load_custom_reward
 
 
@@ -133,6 +134,42 @@ def test_lenient_strict_vs_flexible():
     assert SCORERS["gsm8k_lenient"](text + "\n#### 12", "12") == 1.0
 
 
+# ----------------------------------------------------------------------------- MATH, verl's reading
+
+@pytest.mark.parametrize("text, truth, expected", [
+    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),  # dfrac -> frac, \frac12 -> \frac{1}{2}
+    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),  # a/b of integers -> \frac{a}{b}
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{x = 3}", "3", 1.0),  # a short "x =" prefix is dropped
+    ("\\boxed{10\\text{ cm}}", "10", 1.0),  # a right-hand unit is dropped
+    ("\\boxed{90^\\circ}", "90", 1.0),
+    ("\\boxed{\\sqrt3}", "\\sqrt{3}", 1.0),
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+    ("\\boxed{.5}", "0.5", 1.0),  # ".5" -> "0.5" -> \frac{1}{2}, as the truth "0.5" does
+    ("first \\boxed{1} then \\boxed{2}", "2", 1.0),  # the last box
+    ("\\boxed{{1}", "1", 0.0),  # never closed
+    ("\\fbox{1}", "1", 0.0),  # found, but verl only unboxes \boxed{
+    ("\\boxed 7$ and more", "7", 1.0),  # "\boxed " form: up to the next $
+    ("The answer is 7.", "7", 0.0),  # no box
+    ("\\boxed{1\\text{ a}\\text{ b}}", "1\\text{ a}\\text{ b}", 1.0),  # unnormalisable: raw equality
+    ("\\boxed{3}", 3, 0.0),  # a ground truth that is not a string never matches
+])
+def test_math_scores_as_verl(text, truth, expected):
+    assert math_reward.compute_score(text, truth) == expected
+    assert SCORERS["lighteval/MATH"](text, truth) == expected
+    assert SCORERS["HuggingFaceH4/MATH-500"](text, truth) == expected
+
+
+def test_math_normalisation_failures_fall_back_to_raw_equality():
+    with pytest.raises(ValueError):
+        math_reward.normalize("\\sqrt")
+    with pytest.raises(ValueError):
+        math_reward.normalize("1\\text{ a}\\text{ b}")
+    assert math_reward.is_equiv("\\frac", "\\frac") and not math_reward.is_equiv("\\frac", "\\frac ")
+    assert "math" not in SCORERS  # verl scores data_source "math" with math_dapo, not ported
+
+
 # ----------------------------------------------------------------------------- arith and copy
 
 
@@ -172,10 +209,10 @@ def test_registry_names():
 
 def test_unknown_data_source_names_the_fix():
     scorer = RewardScorer()
-    with pytest.raises(UserError, match=r"data_source 'lighteval/MATH'.*data\.reward_fn_file"):
-        scorer.score("lighteval/MATH", "x", "1")
+    with pytest.raises(UserError, match=r"data_source 'math_dapo'.*data\.reward_fn_file"):
+        scorer.score("math_dapo", "x", "1")
     with pytest.raises(ValueError, match="data.reward_fn_file"):
-        scorer.check_sources(["arith", "lighteval/MATH"])
+        scorer.check_sources(["arith", "math_dapo"])
     scorer.check_sources(["arith", "openai/gsm8k"])
 
 
@@ -339,8 +376,8 @@ def test_builtin_scorer_choice(reward_file):
     with pytest.raises(UserError, match="data.reward_scorer='nope' is not a built-in scorer"):
         RewardScorer(builtin="nope")
     scorer = RewardScorer(builtin="gsm8k_lenient")
-    scorer.check_sources(["lighteval/MATH"])  # one scorer for every source
-    assert scorer.score("lighteval/MATH", "#### 18.0", "18") == 1.0
+    scorer.check_sources(["math_dapo"])  # one scorer for every source
+    assert scorer.score("math_dapo", "#### 18.0", "18") == 1.0
 
 
 def test_scorer_from_config(reward_file):
@@ -372,3 +409,13 @@ def test_custom_reward_load_errors(reward_file, tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(UserError, match=r"broken\.py failed to import \(ModuleNotFoundError"):
         load_custom_reward(str(broken))
+
+
+def test_extras_from_several_ranks_merge_by_sums(reward_file):
+    from rlstack.rewards import merge_extras_sums
+    scorer = RewardScorer(custom_file=reward_file)
+    rank0 = extras_sums(scorer.score_batch([Sample("s", "4", "4"), Sample("s", "5", "4")]))
+    rank1 = extras_sums(scorer.score_batch([Sample("s", "4", "4")]))
+    assert merge_extras_sums([rank0, rank1]) == {"reward_extra/acc": pytest.approx(2 / 3),
+                                                 "reward_extra/timed_out": 0.0}
+    assert merge_extras_sums([{}, rank1]) == {"reward_extra/acc": 1.0, "reward_extra/timed_out": 0.0}
