@@ -61,31 +61,25 @@ def engine_available(kind: str) -> bool:
 
 
 def bench_engine(kind: str, cfg, hf_dir: str, g, tokenizer, prompts: list, args) -> tuple[dict, list]:
-    """Rollout tokens/s of one engine, the work split over rollout replicas as the trainer splits it.
+    """Rollout tokens/s of one engine, through the trainer's rollout stage (rlstack.stages.generate).
 
-    Returns the figures and every generation as (prompt index, response ids), in prompt order.
+    Returns the figures and every generation, in prompt order.
     """
-    from rlstack.rollout.base import SamplingParams, build_engine
-    from rlstack.workers.batch import gather_objects, split_for_rank
+    from rlstack import stages
+    from rlstack.rollout.base import build_engine
 
     r = cfg.rollout
     t0 = time.perf_counter()
     engine = build_engine(dataclasses.replace(r, engine=kind), hf_dir, g, tokenizer.eos_token_id,
                           tokenizer.pad_token_id)
     start_s = time.perf_counter() - t0
-    replicas, replica = g.dims.world_size // r.tp, g.rank // r.tp
-    mine = split_for_rank(list(range(len(prompts))), replica, replicas)
-    params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_new_tokens=r.max_new_tokens, seed=r.seed)
-
+    mine = stages.replica_share(len(prompts), r, g)
     counts = []
 
-    def run():
-        gens = engine.generate([prompts[i].input_ids for i in mine], params) if mine else []
-        rows = [] if g.rank % r.tp else [(mine[x.prompt_index], x.response_ids) for x in gens]
-        rows = gather_objects(rows, g.world, g.dims.world_size)  # a replica's first rank reports for it
-        counts.append(float(sum(len(resp) for _, resp in rows)))
-        return rows
+    def run():  # the trainer's own rollout stage (step 0's sampling seed)
+        gens, tokens = stages.generate(engine, prompts, r, g, step=0, greedy=False)
+        counts.append(tokens)
+        return gens
 
     seconds, rows = timed(run, g, args.reps, args.warmup)
     tokens = counts[args.warmup:]
@@ -99,26 +93,19 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     """Actor log-prob forward and critic value forward over this DP rank's share of the generations."""
     import torch
 
-    from rlstack import collectives
+    from rlstack import collectives, stages
     from rlstack.trainer import DTYPES
     from rlstack.workers.actor import compute_logprobs
-    from rlstack.workers.batch import make_batch
     from rlstack.workers.critic import Critic
     from rlstack.workers.megatron_role import MegatronRole
 
-    from rlstack.workers.batch import split_for_rank
-
     mbs = cfg.algorithm.micro_batch_size
-    share = set(split_for_rank(list(range(len(prompts))), g.dp_rank, g.dims.dp))
-    rows = [(i, resp) for i, resp in rows if i in share]
-    prompt_ids = [prompts[i].input_ids for i, _ in rows]
-    response_ids = [resp for _, resp in rows]
-    batch = make_batch(prompt_ids, response_ids, tokenizer.pad_token_id, mbs, g.device)
-    local_tokens = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    tokens = collectives.sum_floats([float(local_tokens)], g.dp, g.device)[0]
+    mine, rows = stages.dp_share(prompts, rows, g)  # this data-parallel rank's share, as the trainer takes it
+    batch = stages.build_rollout(mine, rows, [0.0] * len(rows), tokenizer.pad_token_id, mbs, g.device, on_policy=True)
+    tokens = collectives.sum_floats([float(batch.num_tokens)], g.dp, g.device)[0]
     dtype = DTYPES[cfg.model.dtype]
-    out = {"tokens": tokens, "padded_seq_len": int(batch["tokens"].shape[1]),
-           "train_rows_per_rank": mbs * int(batch["tokens"].shape[1])}
+    out = {"tokens": tokens, "padded_seq_len": int(batch.tokens.shape[1]),
+           "train_rows_per_rank": mbs * int(batch.tokens.shape[1])}
     role = MegatronRole(hf_dir, g, dtype)
     seconds, _ = timed(lambda: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
     out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
@@ -140,7 +127,7 @@ def run(args) -> dict:
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
     from megatron_bridge.parallel import init_distributed
-    from rlstack.trainer import _load_tokenizer
+    from rlstack.stages import load_tokenizer
 
     cfg = load_config(args.config, args.overrides)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -150,7 +137,7 @@ def run(args) -> dict:
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
                                 cache_dir=cfg.model.cache_dir)
-    tokenizer = _load_tokenizer(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     train_set, _ = build_datasets(cfg.data, tokenizer)
     sampler = PromptSampler(len(train_set), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                             dp_rank=g.dp_rank, dp_size=g.dims.dp)
@@ -166,7 +153,7 @@ def run(args) -> dict:
         result["rollout"][kind], gens = bench_engine(kind, cfg, hf_dir, g, tokenizer, prompts, args)
         if rows is None:
             rows = gens
-            result["response_len_mean"] = statistics.fmean(len(r) for _, r in gens) if gens else 0.0
+            result["response_len_mean"] = statistics.fmean(len(x.response_ids) for x in gens) if gens else 0.0
     if rows and not args.skip_forward:
         result.update(bench_forwards(cfg, hf_dir, g, tokenizer, prompts, rows, args))
     return result

@@ -3,7 +3,8 @@
 One checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
   actor/, critic/      megatron dist checkpoints (model + optimizer); each rank writes only its shards
   rank_00000.pt, ...   per-rank RNG states (python, numpy, torch, megatron's RNG tracker)
-  trainer_state.json   step, data-sampler position, KL controller, layout, model shapes (rank 0)
+  trainer_state.json   step, the stateful parts' state dicts (loop progress, data sampler, KL
+                       controller, LR schedules), layout, model shapes (rank 0)
   config.yaml          the resolved experiment config
   hf_source/<role>/    config and tokenizer files of the role's starting HF checkpoint (for export)
   COMPLETE.json        the completion marker, written last: every file of the checkpoint with its size
@@ -26,8 +27,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict
-from typing import Optional
+from dataclasses import asdict, dataclass
+from typing import Optional, Protocol
 
 from rlstack import megatron_compat
 from rlstack.errors import UserError
@@ -242,12 +243,29 @@ def load_model_weights(module, path: str) -> None:
     module.load_state_dict(loaded["model"], strict=True)
 
 
-def trainer_roles(trainer) -> dict:
-    """Roles with trainable state, by checkpoint sub-directory; the frozen reference is rebuilt from HF."""
-    roles = {"actor": trainer.actor.role}
-    if trainer.critic is not None:
-        roles["critic"] = trainer.critic.role
-    return roles
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint holds, handed in by its owner (the checkpointer never reaches into a trainer).
+
+    roles: Megatron roles by sub-directory (sharded model + optimizer through dist checkpointing);
+    states: small `Stateful` parts by name (JSON state dicts in trainer_state.json); the one named
+    "trainer" carries {"step": N}; sources: each role's starting HF directory (export needs its
+    config and tokenizer).
+    """
+
+    roles: dict
+    states: dict
+    sources: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.states["trainer"].state_dict()["step"])
 
 
 # ----------------------------------------------------------------------------- per-rank RNG
@@ -301,22 +319,22 @@ class Checkpointer:
 
     # -------------------------------------------------------------- save
 
-    def maybe_save(self, trainer) -> Optional[str]:
-        every = self.cfg.checkpoint.save_every
+    def maybe_save(self, parts: CheckpointParts) -> Optional[str]:
+        every, step = self.cfg.checkpoint.save_every, parts.step
         if every <= 0:
             return None
-        if trainer.step % every == 0 or trainer.step == self.cfg.trainer.total_steps:
-            return self.save(trainer)
+        if step % every == 0 or step == self.cfg.trainer.total_steps:
+            return self.save(parts)
         return None
 
-    def save(self, trainer) -> str:
+    def save(self, parts: CheckpointParts) -> str:
         """Collective: write step_N.tmp on every rank, then publish it (rank 0). Returns the path."""
         import torch
 
         g, t0 = self.groups, time.perf_counter()
-        final = step_dir(self.root, trainer.step)
+        step, roles = parts.step, parts.roles
+        final = step_dir(self.root, step)
         tmp = final + ".tmp"
-        roles = trainer_roles(trainer)
         if g.rank == 0:
             self._prepare(tmp, list(roles))
         self._barrier()
@@ -324,14 +342,14 @@ class Checkpointer:
             save_role(role, os.path.join(tmp, name), g, self.cfg.checkpoint.save_optimizer)
         torch.save(rng_state(), _rank_file(tmp, g.rank))
         if g.rank == 0:
-            self._write_rank0_files(tmp, trainer)
+            self._write_rank0_files(tmp, parts)
         self._barrier()  # every rank's files are on disk before the marker lists them
         if g.rank == 0:
-            marker = write_marker(tmp, trainer.step)
+            marker = write_marker(tmp, step)
             self._publish(tmp, final)
             size = sum(marker["files"].values())
             self.last_save = {"seconds": time.perf_counter() - t0, "bytes": size, "path": final}
-            log.info("checkpoint step %d saved to %s in %.2f s (%.1f MiB)", trainer.step, final,
+            log.info("checkpoint step %d saved to %s in %.2f s (%.1f MiB)", step, final,
                      self.last_save["seconds"], size / 2**20)
         self._barrier()  # published before any rank goes on
         return final
@@ -344,12 +362,12 @@ class Checkpointer:
         for name in role_names:  # dist_checkpointing.save expects its directory to exist
             os.makedirs(os.path.join(tmp, name))
 
-    def _write_rank0_files(self, tmp: str, trainer) -> None:
+    def _write_rank0_files(self, tmp: str, parts: CheckpointParts) -> None:
         from rlstack.config import to_yaml
 
-        roles = trainer_roles(trainer)
+        roles = parts.roles
         state = {
-            "step": trainer.step, "sampler": trainer.sampler.state_dict(), "kl_ctrl": trainer.kl_ctrl.state_dict(),
+            "step": parts.step, "states": {name: part.state_dict() for name, part in parts.states.items()},
             "layout": _layout(self.groups), "roles": sorted(roles),
             "save_optimizer": bool(self.cfg.checkpoint.save_optimizer),
             "model_args": {name: asdict(role.args) for name, role in roles.items()},
@@ -361,7 +379,7 @@ class Checkpointer:
             f.write(to_yaml(self.cfg))
         from megatron_bridge.hf import copy_side_files
 
-        sources = {"actor": trainer.hf_dir, "critic": self.cfg.model.critic_path or trainer.hf_dir}
+        sources = parts.sources
         for name in roles:  # config + tokenizer (no weights): what export needs besides the shards
             os.makedirs(os.path.join(tmp, HF_SOURCE, name))
             copy_side_files(sources[name], os.path.join(tmp, HF_SOURCE, name))
@@ -387,8 +405,8 @@ class Checkpointer:
 
     # -------------------------------------------------------------- resume
 
-    def resume(self, trainer) -> int:
-        """Collective: load the checkpoint `checkpoint.resume` selects into `trainer`. Returns the step."""
+    def resume(self, parts: CheckpointParts) -> int:
+        """Collective: load the checkpoint `checkpoint.resume` selects into `parts`. Returns the step (0: none)."""
         g, t0 = self.groups, time.perf_counter()
         path = self._resolve_on_rank0()
         if path is None:
@@ -397,27 +415,30 @@ class Checkpointer:
             return 0
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
-        roles = trainer_roles(trainer)
+        roles = parts.roles
         _check_compatible(path, state, roles)
         if not state["save_optimizer"]:
             log.warning("checkpoint %s holds no optimizer state (checkpoint.save_optimizer=false): "
                         "Adam moments restart from zero", path)
         for name, role in roles.items():
             load_role(role, os.path.join(path, name), state["save_optimizer"])
-        trainer.step = int(state["step"])
-        trainer.sampler.load_state_dict(state["sampler"])
-        trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for name, part in parts.states.items():
+            if name in state["states"]:
+                part.load_state_dict(state["states"][name])
+            else:  # e.g. an LR schedule switched on after the save
+                log.warning("checkpoint %s holds no state for %s: it starts afresh", path, name)
+        step = int(state["step"])
         self._restore_rng(path, state["layout"])
         if g.rank == 0:
             from rlstack.observability.trackers import METRICS_FILE
 
-            dropped = truncate_metrics(os.path.join(self.cfg.trainer.output_dir, METRICS_FILE), trainer.step)
+            dropped = truncate_metrics(os.path.join(self.cfg.trainer.output_dir, METRICS_FILE), step)
             if dropped:
-                log.info("resume: dropped %d metrics.jsonl lines past step %d", dropped, trainer.step)
+                log.info("resume: dropped %d metrics.jsonl lines past step %d", dropped, step)
         self._barrier()
         self.last_load = {"seconds": time.perf_counter() - t0, "path": path}
-        log.info("resumed from %s at step %d in %.2f s", path, trainer.step, self.last_load["seconds"])
-        return trainer.step
+        log.info("resumed from %s at step %d in %.2f s", path, step, self.last_load["seconds"])
+        return step
 
     def _resolve_on_rank0(self) -> Optional[str]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or the same error."""

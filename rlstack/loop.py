@@ -77,7 +77,7 @@ def _seed_all(seed: int) -> None:
 def _start(cfg, groups, config_yaml: str):
     from rlstack.observability.logging import setup_logging
     from rlstack.observability.trackers import build_trackers
-    from rlstack.trainer import Trainer
+    from rlstack.trainer import build_trainer
 
     out = cfg.trainer.output_dir
     setup_logging(out, groups.rank, cfg.logging.level)
@@ -89,7 +89,7 @@ def _start(cfg, groups, config_yaml: str):
             f.write(config_yaml)
     log.info("layout tp=%d pp=%d dp=%d world=%d backend=%s", groups.dims.tp, groups.dims.pp, groups.dims.dp,
              groups.dims.world_size, "nccl" if groups.device.type == "cuda" else "gloo")
-    trainer = Trainer(cfg, groups)
+    trainer = build_trainer(cfg, groups)
     from rlstack.config import to_dict
 
     trackers = build_trackers(cfg.logging.trackers, out, groups.rank, config_dict=to_dict(cfg),
@@ -103,7 +103,7 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
 
     checkpointer = _checkpointer(cfg, groups, dry_run)
     if checkpointer is not None:
-        checkpointer.resume(trainer)
+        checkpointer.resume(trainer.checkpoint_parts())
     monitor = ResourceMonitor(warn_fraction=cfg.logging.memory_warn_fraction, logger=log)
     before = _checksum(trainer) if dry_run else None
     val_first = None
@@ -121,7 +121,7 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
         if profile:
             log.info(_profile_line(metrics))
         if checkpointer is not None:
-            checkpointer.maybe_save(trainer)
+            checkpointer.maybe_save(trainer.checkpoint_parts())
     if cfg.trainer.val_after_train:
         val_last = trainer.validate()
         log.info("validation after training: %s", _fmt(val_last))

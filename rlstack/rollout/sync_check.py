@@ -53,22 +53,20 @@ def due(cfg: "RolloutConfig", step: int) -> bool:
     return cfg.verify_sync > 0 and step % cfg.verify_sync == 0
 
 
-def after_sync(trainer, stats: "SyncStats") -> None:
-    """Probe the engine right after `trainer`'s sync when due; records `sync/verify_max_diff` in `stats`."""
+def after_sync(cfg: "RolloutConfig", step: int, stats: "SyncStats", role, groups, engine, probe: list) -> None:
+    """Probe `engine` against the actor `role` right after the sync of 0-based `step` when due;
+    records `sync/verify_max_diff` in `stats`. `probe`: the probe prompts' token ids (`probe_prompts`)."""
     from rlstack.rollout.verify_sync import verify_engine
 
-    cfg, step = trainer.cfg.rollout, trainer.step
     if not due(cfg, step):
         return
     if stats.bytes <= 0:
         raise SyncDivergenceError(step + 1, "the weight sync moved no bytes", float("inf"), cfg.verify_sync_tol)
-    prompts = probe_prompts(trainer.train_set)
-    role = trainer.actor.role
-    value = verify_engine(role.module, role.args, trainer.groups, trainer.engine, prompts, cfg.verify_sync_tol,
+    value = verify_engine(role.module, role.args, groups, engine, probe, cfg.verify_sync_tol,
                           max_new_tokens=min(PROBE_TOKENS, cfg.max_new_tokens))
     stats.verify_max_diff = value
     if not value <= cfg.verify_sync_tol:  # NaN fails too
-        raise SyncDivergenceError(step + 1, f"greedy probe of {len(prompts)} prompts after the sync", value,
+        raise SyncDivergenceError(step + 1, f"greedy probe of {len(probe)} prompts after the sync", value,
                                   cfg.verify_sync_tol)
 
 

@@ -11,6 +11,7 @@ import torch
 from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
+from rlstack.workers.batch import Rollout
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 
@@ -31,20 +32,22 @@ def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entr
     return align_to_tokens(out)
 
 
-def compute_logprobs(role: MegatronRole, batch: dict, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Forward-only log-probs [B, S] on every pipeline stage."""
+def compute_logprobs(role: MegatronRole, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0
+                     ) -> torch.Tensor:
+    """Forward-only log-probs [B, S] of `rollout`'s tokens, on every pipeline stage."""
 
     def loss_fn(mb, logits):
         return torch.zeros((), device=logits.device), {"logprob": token_logprobs(role, mb, logits,
                                                                                  temperature=temperature)}
 
-    stats = role.run(split_micro_batches(_model_inputs(batch), micro_batch_size), loss_fn, forward_only=True)
+    inputs = rollout.tensors("tokens", "position_ids")
+    stats = role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
     out = cat_stats(stats, "logprob") if role.groups.is_last_stage else None
-    return role.broadcast_from_last_stage(out, batch["tokens"].shape, torch.float32)
+    return role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
 
-def _model_inputs(batch: dict) -> dict:
-    return {k: batch[k] for k in ("tokens", "position_ids")}
+# What the policy loss reads of a mini-batch (the critic's fields stay out of its micro-batches).
+ACTOR_FIELDS = ("tokens", "position_ids", "resp_mask", "advantages", "rollout_logprob", "old_logprob", "ref_logprob")
 
 
 class Actor:
@@ -53,7 +56,7 @@ class Actor:
         self.algo = algo
         self.temperature = temperature
 
-    def update(self, batch: dict, counts: dict, micro_batch_size: int, scale: float,
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float,
                forward_only: bool = False) -> dict:
         """One optimizer step on a mini-batch (or, with forward_only, the same maths with no step).
 
@@ -63,13 +66,14 @@ class Actor:
         the globally normalised loss, independent of the parallel layout.
         """
         a = self.algo
+        # On-policy (one epoch, one mini-batch) the update's own forward gives the old log-probs:
+        # no separate forward pass, and the engine's log-probs are checked against it here.
+        on_policy = mini.on_policy
+        assert on_policy or mini.old_logprob is not None, "off-policy updates need old_logprob"
 
         def loss_fn(mb, logits):
             logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True, temperature=self.temperature)
             mask = mb["resp_mask"]
-            # On-policy (one epoch, one mini-batch) the update's own forward gives the old log-probs:
-            # no separate forward pass, and the engine's log-probs are checked against it here.
-            on_policy = "old_logprob" not in mb
             old = logprob.detach() if on_policy else mb["old_logprob"]
             pg, pg_stats = compute_policy_loss(a.policy_loss, old, logprob, mb["advantages"], mask, a.clip_ratio_low,
                                                a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
@@ -78,7 +82,7 @@ class Actor:
             stats = {"actor/pg_loss": pg.detach(), "actor/entropy_sum": (entropy.detach() * mask).sum(),
                      "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok, "actor/tokens": ntok,
                      "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok}
-            if on_policy and "rollout_logprob" in mb:
+            if on_policy:
                 diff = (logprob.detach() - mb["rollout_logprob"]).abs() * mask
                 stats["actor/rollout_diff_sum"] = diff.sum()
                 stats["actor/rollout_diff_max"] = diff.max()
@@ -91,7 +95,7 @@ class Actor:
             stats["actor/loss"] = loss.detach()
             return loss * scale, stats
 
-        mbs = split_micro_batches(batch, micro_batch_size)
+        mbs = split_micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size)
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         stats, grad_norm = self.role.train_step(mbs, loss_fn)

@@ -7,6 +7,7 @@ import torch
 from rlstack.algorithms import value_loss
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.logprobs import align_to_tokens
+from rlstack.workers.batch import Rollout
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 
@@ -20,16 +21,16 @@ class Critic:
         self.role = role
         self.algo = algo
 
-    def compute_values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
         def loss_fn(mb, output):
             return torch.zeros((), device=output.device), {"values": _values(output)}
 
-        inputs = {k: batch[k] for k in ("tokens", "position_ids")}
+        inputs = rollout.tensors("tokens", "position_ids")
         stats = self.role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
         out = cat_stats(stats, "values") if self.role.groups.is_last_stage else None
-        return self.role.broadcast_from_last_stage(out, batch["tokens"].shape, torch.float32)
+        return self.role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
-    def update(self, batch: dict, counts: dict, micro_batch_size: int, scale: float,
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float,
                forward_only: bool = False) -> dict:
         a = self.algo
 
@@ -41,7 +42,8 @@ class Critic:
             return loss * scale, {"critic/loss": loss.detach(), "critic/clipfrac_sum": stats["clip_frac"] * ntok,
                                   "critic/tokens": ntok}
 
-        mbs = split_micro_batches(batch, micro_batch_size)
+        mbs = split_micro_batches(mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns"),
+                                  micro_batch_size)
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         stats, grad_norm = self.role.train_step(mbs, loss_fn)

@@ -137,6 +137,27 @@ def _config(out_dir, **ckpt):
     return load_config(None, overrides)
 
 
+class _Fake:
+    """The parts of a trainer that a checkpoint holds; `parts()` hands them over as the trainer does."""
+
+    def __init__(self, actor, critic, sampler, kl_ctrl, hf_dir):
+        self.actor, self.critic = SimpleNamespace(role=actor), SimpleNamespace(role=critic)
+        self.sampler, self.kl_ctrl, self.hf_dir, self.step = sampler, kl_ctrl, hf_dir, 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def parts(self):
+        from rlstack.checkpoint import CheckpointParts
+
+        return CheckpointParts(roles={"actor": self.actor.role, "critic": self.critic.role},
+                               states={"trainer": self, "sampler": self.sampler, "kl_ctrl": self.kl_ctrl},
+                               sources={"actor": self.hf_dir, "critic": self.hf_dir})
+
+
 def _trainer(hf_dir, groups, dist_opt=False, seed=0):
     import torch
 
@@ -147,9 +168,8 @@ def _trainer(hf_dir, groups, dist_opt=False, seed=0):
     optim = OptimSettings(lr=1e-2, use_distributed_optimizer=dist_opt)
     actor = MegatronRole(hf_dir, groups, torch.float32, optim=optim)
     critic = MegatronRole(hf_dir, groups, torch.float32, value_head=True, optim=optim, value_head_seed=seed)
-    return SimpleNamespace(actor=SimpleNamespace(role=actor), critic=SimpleNamespace(role=critic), step=0,
-                           sampler=PromptSampler(64, 8, seed=0, dp_rank=groups.dp_rank, dp_size=groups.dims.dp),
-                           kl_ctrl=build_kl_controller("adaptive", 0.05, 0.1, 100), hf_dir=hf_dir)
+    return _Fake(actor, critic, PromptSampler(64, 8, seed=0, dp_rank=groups.dp_rank, dp_size=groups.dims.dp),
+                 build_kl_controller("adaptive", 0.05, 0.1, 100), hf_dir)
 
 
 def _train_step(trainer, groups):
@@ -217,7 +237,7 @@ def _save_then_resume(hf_dir, out_dir, tp, dist_opt):
     ckpt = Checkpointer(cfg, groups)
     for _ in range(2):
         _train_step(trainer, groups)
-        ckpt.maybe_save(trainer)
+        ckpt.maybe_save(trainer.parts())
     saved = _local_state(trainer)
     draws = (torch.rand(3), random.random())  # RNG streams right after the save
     sampler_state, kl_value = trainer.sampler.state_dict(), trainer.kl_ctrl.value
@@ -227,7 +247,7 @@ def _save_then_resume(hf_dir, out_dir, tp, dist_opt):
     torch.manual_seed(1234)
     random.seed(1234)
     fresh = _trainer(hf_dir, groups, dist_opt, seed=99)
-    assert Checkpointer(cfg, groups).resume(fresh) == 2
+    assert Checkpointer(cfg, groups).resume(fresh.parts()) == 2
     _assert_same(_local_state(fresh), saved, "resumed state")
     assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
     assert fresh.sampler.state_dict() == sampler_state and fresh.kl_ctrl.value == kl_value
@@ -259,7 +279,7 @@ def _save_tp1(hf_dir, out_dir):
     trainer = _trainer(hf_dir, groups)
     for _ in range(2):
         _train_step(trainer, groups)
-    return Checkpointer(_config(out_dir), groups).save(trainer)
+    return Checkpointer(_config(out_dir), groups).save(trainer.parts())
 
 
 def _resume_resave_compare(hf_dir, saved, out_dir, tp, pp):
@@ -269,9 +289,9 @@ def _resume_resave_compare(hf_dir, saved, out_dir, tp, pp):
 
     groups = init_distributed(tp, pp, backend="gloo")
     trainer = _trainer(hf_dir, groups, seed=7)
-    assert Checkpointer(_config(out_dir, resume=saved), groups).resume(trainer) == 2
+    assert Checkpointer(_config(out_dir, resume=saved), groups).resume(trainer.parts()) == 2
     trainer.step = 20
-    resaved = Checkpointer(_config(out_dir), groups).save(trainer)
+    resaved = Checkpointer(_config(out_dir), groups).save(trainer.parts())
     before, after = _plain_tensors(saved), _plain_tensors(resaved)
     assert before.keys() == after.keys(), sorted(set(before) ^ set(after))
     assert any("exp_avg_sq" in k for k in before) and any("critic/output_layer" in k for k in before)
@@ -343,7 +363,7 @@ def _train_save_forward(hf_dir, out_dir):
     trainer = _trainer(hf_dir, groups)
     for _ in range(2):
         _train_step(trainer, groups)
-    path = Checkpointer(_config(out_dir), groups).save(trainer)
+    path = Checkpointer(_config(out_dir), groups).save(trainer.parts())
     tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(10).expand(2, 10).contiguous()
     with torch.no_grad():

@@ -12,11 +12,11 @@ CONFIG = "yaml_configs/tiny_cpu.yaml"
 
 def _trainer(overrides: list[str], out_dir: str, cache: str):
     from rlstack.config import load_config
-    from rlstack.trainer import Trainer
+    from rlstack.trainer import build_trainer
 
     cfg = load_config(CONFIG, [f"trainer.output_dir={out_dir}", f"model.cache_dir={cache}",
                                "logging.progress=false", *overrides])
-    return cfg, Trainer(cfg, _groups(cfg))
+    return cfg, build_trainer(cfg, _groups(cfg))
 
 
 _GROUPS = {}

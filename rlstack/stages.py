@@ -1,0 +1,98 @@
+"""The stages of one step as plain functions: rollout split, data-parallel share, scoring, batch.
+
+The trainer calls these, and so do the benchmarks' stage timings (benchmarks/stages.py): both
+measure the same code. Inputs are passed in (engine, groups, configs); nothing reaches into a trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from rlstack.observability.progress import progress
+from rlstack.workers.batch import Rollout, gather_objects, split_for_rank
+
+if TYPE_CHECKING:
+    from megatron_bridge.parallel import ParallelGroups
+    from rlstack.config import RolloutConfig
+    from rlstack.rollout.base import Generation, RolloutEngine
+
+SEED_STRIDE = 7919  # sampling seed of step s: rollout.seed + SEED_STRIDE * s (resume is exact)
+
+
+def load_tokenizer(hf_dir: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def sampling_params(cfg: "RolloutConfig", step: int, greedy: bool):
+    from rlstack.rollout.base import SamplingParams
+
+    return SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_new_tokens=cfg.max_new_tokens, greedy=greedy, seed=cfg.seed + SEED_STRIDE * step)
+
+
+def replica_share(num_prompts: int, cfg: "RolloutConfig", groups: "ParallelGroups") -> list[int]:
+    """The prompt indices this rank's rollout replica generates (world / rollout.tp replicas, contiguous)."""
+    replicas, replica = groups.dims.world_size // cfg.tp, groups.rank // cfg.tp
+    return split_for_rank(list(range(num_prompts)), replica, replicas)
+
+
+def generate(engine: "RolloutEngine", prompts: list, cfg: "RolloutConfig", groups: "ParallelGroups", step: int,
+             greedy: bool, show_progress: bool = False) -> tuple[list["Generation"], float]:
+    """Generate for `prompts` (the same list on every rank), the work split over all ranks.
+
+    Each rollout replica (one engine, spanning rollout.tp ranks for vLLM TP) takes a contiguous share,
+    so the samples do not depend on the training layout. Returns every replica's generations, with
+    `prompt_index` into `prompts`, in prompt order on every rank; and the tokens generated in all.
+    """
+    mine = replica_share(len(prompts), cfg, groups)
+    params = sampling_params(cfg, step, greedy)
+    gens = []
+    for chunk in progress(_chunks(mine, params.n, cfg), desc="validate" if greedy else "rollout",
+                          enabled=show_progress, rank=groups.rank, unit="batch"):
+        local = engine.generate([prompts[i].input_ids for i in chunk], params)
+        gens += [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
+    if groups.rank % cfg.tp:
+        gens = []  # the replica's first rank reports for the whole replica
+    gens = gather_objects(gens, groups.world, groups.dims.world_size)
+    return gens, float(sum(len(x.response_ids) for x in gens))
+
+
+def _chunks(items: list, n: int, cfg: "RolloutConfig") -> list[list]:
+    """hf engine: one micro-batch of sequences per call (a progress tick each); vLLM batches all."""
+    if not items:
+        return []
+    size = len(items) if cfg.engine == "vllm" else max(1, cfg.micro_batch_size // n)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def dp_share(prompts: list, gens: list["Generation"], groups: "ParallelGroups") -> tuple[list, list["Generation"]]:
+    """This data-parallel rank's contiguous share of the prompts, and their generations (re-indexed)."""
+    share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)
+    first, mine = (share[0] if share else 0), set(share)
+    return ([prompts[i] for i in share],
+            [dataclasses.replace(g, prompt_index=g.prompt_index - first) for g in gens if g.prompt_index in mine])
+
+
+def score(scorer, tokenizer, prompts: list, gens: list["Generation"]) -> list:
+    """Each response's ScoreResult (rule or custom reward) against its prompt's ground truth."""
+    from rlstack.rewards import Sample
+
+    samples = [Sample(prompts[g.prompt_index].data_source, tokenizer.decode(g.response_ids, skip_special_tokens=True),
+                      prompts[g.prompt_index].ground_truth, prompts[g.prompt_index].extra_info,
+                      row=prompts[g.prompt_index].index)
+               for g in gens]
+    return scorer.score_batch(samples)
+
+
+def build_rollout(prompts: list, gens: list["Generation"], scores: list[float], pad_id: int, micro_batch_size: int,
+                  device, on_policy: bool) -> Rollout:
+    """The padded training batch of this rank's generations."""
+    return Rollout.build([prompts[g.prompt_index].input_ids for g in gens], [g.response_ids for g in gens],
+                         [g.logprobs for g in gens], scores, [g.prompt_index for g in gens], pad_id, micro_batch_size,
+                         device, on_policy)
