@@ -61,6 +61,27 @@ def test_sampling_params_validation():
     SamplingParams(temperature=0.0, greedy=True).validate()
 
 
+# ---------------------------------------------------------------------- rollout.verify_sync (pure)
+
+def test_sync_check_schedule_and_bounds():
+    from rlstack.errors import UserError
+    from rlstack.rollout.sync_check import SyncDivergenceError, check_rollout_diff, check_settings, due
+
+    every3 = RolloutConfig(verify_sync=3)
+    assert [s for s in range(8) if due(every3, s)] == [0, 3, 6]
+    assert not any(due(RolloutConfig(), s) for s in range(5))  # 0: off
+    check_rollout_diff(every3, 4, {"actor/rollout_diff_max": 9e-4})
+    check_rollout_diff(RolloutConfig(verify_sync=0), 4, {"actor/rollout_diff_max": 0.7})  # off: not held
+    check_rollout_diff(RolloutConfig(engine="vllm", top_k=5, verify_sync=1), 4, {"actor/rollout_diff_max": 0.7})
+    for bad in (0.7, float("nan")):
+        with pytest.raises(SyncDivergenceError, match="step 5: .*max \\|log-prob diff\\| .* > rollout.verify_sync_tol=0.001"):
+            check_rollout_diff(every3, 4, {"actor/rollout_diff_max": bad})
+    assert issubclass(SyncDivergenceError, RuntimeError) and not issubclass(SyncDivergenceError, UserError)
+    for bad in (RolloutConfig(verify_sync=-1), RolloutConfig(verify_sync_tol=0.0)):
+        with pytest.raises(UserError, match="rollout.verify_sync"):
+            check_settings(bad)
+
+
 # ---------------------------------------------------------------------- hf engine (one process)
 
 def _hf_engine(hf_dir, eos=2, seed=0, micro_batch_size=3):
