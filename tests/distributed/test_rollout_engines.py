@@ -77,6 +77,15 @@ def test_sync_check_schedule_and_bounds():
         with pytest.raises(SyncDivergenceError, match="step 5: .*max \\|log-prob diff\\| .* > rollout.verify_sync_tol=0.001"):
             check_rollout_diff(every3, 4, {"actor/rollout_diff_max": bad})
     assert issubclass(SyncDivergenceError, RuntimeError) and not issubclass(SyncDivergenceError, UserError)
+    from types import SimpleNamespace as NS
+
+    from megatron_bridge.reshard import SyncStats
+    from rlstack.rollout.sync_check import after_sync
+
+    nothing_moved = NS(cfg=NS(rollout=every3), step=3)  # due; raises before touching an engine
+    with pytest.raises(SyncDivergenceError, match="step 4: .*moved no bytes"):
+        after_sync(nothing_moved, SyncStats(bytes=0))
+    after_sync(NS(cfg=NS(rollout=every3), step=4), SyncStats(bytes=0))  # not due: nothing checked
     for bad in (RolloutConfig(verify_sync=-1), RolloutConfig(verify_sync_tol=0.0)):
         with pytest.raises(UserError, match="rollout.verify_sync"):
             check_settings(bad)
