@@ -7,12 +7,15 @@ FINDINGS.md ("vLLM on CPU") has the measurements behind each choice here:
   the K consecutive ranks of one vLLM TP group must then pass the same prompts.
 - Weights: on CPU the linear weights are repacked after loading (the original parameters become
   empty), so updates go through `worker.reload_weights(weights_iterator=...)` with HF-named tensors
-  (`param_targets()` is None). On GPU the parameters stay addressable in vLLM's own layout (merged
-  `qkv_proj`, `gate_up_proj`, padded vocabulary) and the bridge writes the shards in place.
+  (`param_targets()` is None); a tied LM head's packed kernel is then rebuilt by hand
+  (`repack_tied_cpu_gemms`: the reload skips it). On GPU the parameters stay addressable in vLLM's
+  own layout (merged `qkv_proj`, `gate_up_proj`, padded vocabulary) and the bridge writes the
+  shards in place.
 - Shutdown: vLLM's engine-core shutdown calls `cleanup_dist_env_and_memory`, which ends with
   `torch.distributed.destroy_process_group()`: the training world. `_patch_shutdown` makes it
   destroy only vLLM's own groups.
 - vLLM's CPU worker makes `torch.set_num_threads` a no-op for the whole process: set threads first.
+- Sampling: each call seeds the global torch RNG from the step seed (`_sampling_rng`), so resume is exact.
 """
 
 from __future__ import annotations

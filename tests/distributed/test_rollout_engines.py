@@ -61,6 +61,37 @@ def test_sampling_params_validation():
     SamplingParams(temperature=0.0, greedy=True).validate()
 
 
+# ---------------------------------------------------------------------- rollout.verify_sync (pure)
+
+def test_sync_check_schedule_and_bounds():
+    from rlstack.errors import UserError
+    from rlstack.rollout.sync_check import SyncDivergenceError, check_rollout_diff, check_settings, due
+
+    every3 = RolloutConfig(verify_sync=3)
+    assert [s for s in range(8) if due(every3, s)] == [0, 3, 6]
+    assert not any(due(RolloutConfig(), s) for s in range(5))  # 0: off
+    check_rollout_diff(every3, 4, {"actor/rollout_diff_max": 9e-4})
+    check_rollout_diff(RolloutConfig(verify_sync=0), 4, {"actor/rollout_diff_max": 0.7})  # off: not held
+    check_rollout_diff(RolloutConfig(engine="vllm", top_k=5, verify_sync=1), 4, {"actor/rollout_diff_max": 0.7})
+    message = r"step 5: .*max \|log-prob diff\| .* > rollout.verify_sync_tol=0.001"
+    for bad in (0.7, float("nan")):
+        with pytest.raises(SyncDivergenceError, match=message):
+            check_rollout_diff(every3, 4, {"actor/rollout_diff_max": bad})
+    assert issubclass(SyncDivergenceError, RuntimeError) and not issubclass(SyncDivergenceError, UserError)
+    from types import SimpleNamespace as NS
+
+    from megatron_bridge.reshard import SyncStats
+    from rlstack.rollout.sync_check import after_sync
+
+    nothing_moved = NS(cfg=NS(rollout=every3), step=3)  # due; raises before touching an engine
+    with pytest.raises(SyncDivergenceError, match="step 4: .*moved no bytes"):
+        after_sync(nothing_moved, SyncStats(bytes=0))
+    after_sync(NS(cfg=NS(rollout=every3), step=4), SyncStats(bytes=0))  # not due: nothing checked
+    for bad in (RolloutConfig(verify_sync=-1), RolloutConfig(verify_sync_tol=0.0)):
+        with pytest.raises(UserError, match="rollout.verify_sync"):
+            check_settings(bad)
+
+
 # ---------------------------------------------------------------------- hf engine (one process)
 
 def _hf_engine(hf_dir, eos=2, seed=0, micro_batch_size=3):

@@ -220,3 +220,47 @@ def test_failed_sync_raises_before_writing(tiny_qwen2, tiny_cache):
     assert all("shape" in m for m in (rank0[0], rank1[0]))
     assert "no tensor" in rank1[1] and "another rank" in rank0[1]
     assert "missing" in rank0[2] and "another rank" in rank1[2]
+
+
+# ---------------------------------------------------------------------- rollout.verify_sync stops a stale engine
+
+def _probe_after_syncs(hf_dir):
+    from types import SimpleNamespace as NS
+
+    from megatron_bridge.hf import build_megatron_from_hf
+    from megatron_bridge.reshard import WeightSync
+    from megatron_bridge.verify_sync import perturb_weights
+    from rlstack.config import RolloutConfig
+    from rlstack.parallel import init_distributed
+    from rlstack.rollout import sync_check, vllm_engine
+
+    groups = init_distributed(1, 1)
+    model, args = build_megatron_from_hf(hf_dir, groups)
+    engine = _engine("vllm", hf_dir, groups)
+    trainer = NS(cfg=NS(rollout=RolloutConfig(engine="vllm", verify_sync=1, max_new_tokens=8)), step=4,
+                 train_set=[NS(input_ids=p) for p in PROMPTS], actor=NS(role=NS(module=model, args=args)),
+                 groups=groups, engine=engine)
+    sync = WeightSync(model, args, groups, engine, bucket_mb=0.25)
+    out = {}
+    fixed = vllm_engine.repack_tied_cpu_gemms
+    vllm_engine.repack_tied_cpu_gemms = lambda model: []  # plant the tied-LM-head bug
+    perturb_weights(model, args, groups)
+    try:
+        sync_check.after_sync(trainer, sync.sync())
+    except sync_check.SyncDivergenceError as err:
+        out["planted"] = str(err)
+    vllm_engine.repack_tied_cpu_gemms = fixed
+    stats = sync.sync()
+    sync_check.after_sync(trainer, stats)
+    out["fixed"] = stats.as_metrics()
+    engine.close()
+    return out
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_verify_sync_stops_a_stale_engine(tiny_llama):
+    """The trainer's post-sync probe raises on a tied LM head left stale, and passes once it is repacked."""
+    (r,) = run_distributed(_probe_after_syncs, 1, tiny_llama, timeout=150)
+    assert r.get("planted", "").startswith("step 5: rollout engine and actor disagree (greedy probe"), r
+    assert r["fixed"]["sync/verify_max_diff"] <= TOL and r["fixed"]["sync/bytes"] > 0, r
