@@ -83,10 +83,10 @@ def test_sync_check_schedule_and_bounds():
     from megatron_bridge.reshard import SyncStats
     from rlstack.rollout.sync_check import after_sync
 
-    nothing_moved = NS(cfg=NS(rollout=every3), step=3)  # due; raises before touching an engine
+    untouched = (NS(), NS(), NS(), [])  # role, groups, engine, probe: never used when it raises or is not due
     with pytest.raises(SyncDivergenceError, match="step 4: .*moved no bytes"):
-        after_sync(nothing_moved, SyncStats(bytes=0))
-    after_sync(NS(cfg=NS(rollout=every3), step=4), SyncStats(bytes=0))  # not due: nothing checked
+        after_sync(every3, 3, SyncStats(bytes=0), *untouched)  # due; raises before touching an engine
+    after_sync(every3, 4, SyncStats(bytes=0), *untouched)  # not due: nothing checked
     for bad in (RolloutConfig(verify_sync=-1), RolloutConfig(verify_sync_tol=0.0)):
         with pytest.raises(UserError, match="rollout.verify_sync"):
             check_settings(bad)

@@ -229,29 +229,28 @@ def _probe_after_syncs(hf_dir):
 
     from megatron_bridge.hf import build_megatron_from_hf
     from megatron_bridge.reshard import WeightSync
-    from megatron_bridge.verify_sync import perturb_weights
+    from megatron_bridge.parallel import init_distributed
     from rlstack.config import RolloutConfig
-    from rlstack.parallel import init_distributed
     from rlstack.rollout import sync_check, vllm_engine
+    from rlstack.rollout.verify_sync import perturb_weights
 
     groups = init_distributed(1, 1)
     model, args = build_megatron_from_hf(hf_dir, groups)
     engine = _engine("vllm", hf_dir, groups)
-    trainer = NS(cfg=NS(rollout=RolloutConfig(engine="vllm", verify_sync=1, max_new_tokens=8)), step=4,
-                 train_set=[NS(input_ids=p) for p in PROMPTS], actor=NS(role=NS(module=model, args=args)),
-                 groups=groups, engine=engine)
+    cfg = RolloutConfig(engine="vllm", verify_sync=1, max_new_tokens=8)
+    role, probe = NS(module=model, args=args), sync_check.probe_prompts([NS(input_ids=p) for p in PROMPTS])
     sync = WeightSync(model, args, groups, engine, bucket_mb=0.25)
     out = {}
     fixed = vllm_engine.repack_tied_cpu_gemms
     vllm_engine.repack_tied_cpu_gemms = lambda model: []  # plant the tied-LM-head bug
     perturb_weights(model, args, groups)
     try:
-        sync_check.after_sync(trainer, sync.sync())
+        sync_check.after_sync(cfg, 4, sync.sync(), role, groups, engine, probe)
     except sync_check.SyncDivergenceError as err:
         out["planted"] = str(err)
     vllm_engine.repack_tied_cpu_gemms = fixed
     stats = sync.sync()
-    sync_check.after_sync(trainer, stats)
+    sync_check.after_sync(cfg, 4, stats, role, groups, engine, probe)
     out["fixed"] = stats.as_metrics()
     engine.close()
     return out
