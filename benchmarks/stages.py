@@ -139,7 +139,7 @@ def run(args) -> dict:
     from rlstack.config import load_config
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.trainer import _load_tokenizer
 
     cfg = load_config(args.config, args.overrides)
@@ -147,7 +147,7 @@ def run(args) -> dict:
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)  # as the trainer
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
-    g = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)
+    g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
                                 cache_dir=cfg.model.cache_dir)
     tokenizer = _load_tokenizer(hf_dir)
@@ -174,7 +174,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from rlstack.parallel import destroy_distributed
+    from megatron_bridge.parallel import destroy_distributed
 
     try:
         result = run(args)
@@ -188,3 +188,11 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _timeout(cfg) -> float:
+    import torch
+
+    from rlstack.config import timeout_minutes
+
+    return timeout_minutes(cfg, on_gpu=torch.cuda.is_available())

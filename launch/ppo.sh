@@ -77,13 +77,14 @@ world_size=$((nnodes * nproc))
 # Reading the config here (no torch) checks its schema and gives the output directory; a user
 # error prints one line and exits 2 before any torchrun traceback could bury it.
 read_config='import sys
-from rlstack.config import load_config
+from rlstack.config import load_config, timeout_minutes
 from rlstack.observability.logging import user_error_guard
 cfg = user_error_guard(lambda: load_config(sys.argv[1], sys.argv[2:]), rank=0)
 print(cfg.trainer.output_dir)
-print(cfg.parallel.timeout_minutes)'
+# Rendezvous: how long a node may take to arrive (GPU clusters start nodes slowly).
+print(round(timeout_minutes(cfg, on_gpu=True) * 60))'
 cfg_lines="$("$PYTHON" -c "$read_config" "$config" ${overrides[@]+"${overrides[@]}"})" || exit $?
-{ read -r output_dir; read -r timeout_minutes; } <<<"$cfg_lines"
+{ read -r output_dir; read -r rendezvous_s; } <<<"$cfg_lines"
 
 validate_mode="${RLSTACK_VALIDATE:-auto}"
 if [[ "$validate_mode" == auto ]]; then
@@ -108,7 +109,7 @@ cmd=("$PYTHON" -m torch.distributed.run
   --nnodes="$nnodes" --nproc-per-node="$nproc" --node-rank="$node_rank"
   --master-addr="$master_addr" --master-port="$master_port"
   # Static rendezvous: a node that never arrives fails the job after the config's timeout.
-  --rdzv-conf="timeout=$((timeout_minutes * 60))"
+  --rdzv-conf="timeout=$rendezvous_s"
   # No elastic restarts: a failed rank ends the job (and names itself) instead of looping.
   --max-restarts=0
   --log-dir="$log_dir" --tee=3)
@@ -189,6 +190,18 @@ fi
 signal_text=""
 [[ "$failed_signal" == - ]] || signal_text=" $failed_signal"
 note "rank $failed_rank (local rank $failed_local on node $node_rank, host $failed_host) failed with exit code $failed_code$signal_text; logs in $log_dir and $output_dir/logs"
+# The last console line is the failed rank's own error line: from its stderr (bugs, and user
+# errors on rank 0), else from its rlstack log (other ranks keep user errors off the console).
+err_line=""
+if [[ -s "$failed_log" ]]; then
+  err_line="$(grep -E '^error: ' "$failed_log" | grep -v 'this is a bug in rlstack, not a mistake' | tail -n 1 || true)"
+fi
+rank_log="$output_dir/logs/rank$failed_rank.log"
+if [[ -z "$err_line" && -f "$rank_log" ]]; then
+  err_line="$(grep -E ' ERROR rlstack: (user error|internal error \(bug\)): ' "$rank_log" | tail -n 1 \
+    | sed -E 's/^.* ERROR rlstack: (user error: )?/error: /' || true)"
+fi
+[[ -z "$err_line" ]] || echo "$err_line" >&2
 # A positive exit code is the rank's own (2: a user error); signals leave torchrun's status.
 if [[ "$failed_code" =~ ^[0-9]+$ ]] && ((failed_code > 0)); then
   exit "$failed_code"

@@ -15,35 +15,38 @@ from typing import Callable
 COMPLETE_MARKER = ".complete"
 
 
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+def is_complete(path: str, required: tuple = ()) -> bool:
+    """The marker is there, and so is every `required` file (a marked stub is not complete)."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in (COMPLETE_MARKER,) + tuple(required))
 
 
-def build_once(path: str, build: Callable[[str], None], timeout_s: float = 1800.0) -> str:
+def build_once(path: str, build: Callable[[str], None], timeout_s: float = 1800.0, required: tuple = ()) -> str:
     """Return `path`, calling `build(tmp_dir)` first if no complete copy exists.
 
     Concurrent callers race on `os.rename`; the loser discards its copy. A directory without the
     completion marker (an interrupted older layout) is replaced, never read.
     """
-    if is_complete(path):
+    if is_complete(path, required):
         return path
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     lock = path + ".lock"
     if _try_lock(lock):
         try:
-            if not is_complete(path):
-                _build_and_publish(path, parent, build)
+            if not is_complete(path, required):
+                _build_and_publish(path, parent, build, required)
         finally:
             os.unlink(lock)
         return path
-    return _wait_for(path, lock, build, timeout_s)
+    return _wait_for(path, lock, build, timeout_s, required)
 
 
-def _build_and_publish(path: str, parent: str, build: Callable[[str], None]) -> None:
+def _build_and_publish(path: str, parent: str, build: Callable[[str], None], required: tuple = ()) -> None:
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
         build(tmp)
+        missing = [name for name in required if not os.path.isfile(os.path.join(tmp, name))]
+        assert not missing, f"building {path} left out {missing}: not published"
         with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
             f.write(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
         if os.path.exists(path):
@@ -74,12 +77,12 @@ def _mtime(path: str) -> float:
         return time.time()
 
 
-def _wait_for(path: str, lock: str, build, timeout_s: float) -> str:
+def _wait_for(path: str, lock: str, build, timeout_s: float, required: tuple = ()) -> str:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if is_complete(path):
+        if is_complete(path, required):
             return path
         if not os.path.exists(lock):
-            return build_once(path, build, timeout_s)
+            return build_once(path, build, timeout_s, required)
         time.sleep(0.5)
     raise TimeoutError(f"waited {timeout_s:.0f}s for {path} to be built (lock {lock}): remove the lock if its builder died")

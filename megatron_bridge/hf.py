@@ -9,6 +9,7 @@ Process groups come in through `ParallelGroups`; nothing here fetches them from 
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: O
 
         return ensure_tiny_checkpoint(TinySpec(**(tiny_spec or {})), cache_dir=cache_dir)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(
+        raise InputError(
             f"model path {path!r} is not an HF checkpoint directory (no config.json): pass a directory saved "
             f"with save_pretrained, `default` (embedded SmolLM2-135M-Instruct) or `tiny`"
         )
@@ -48,22 +49,20 @@ def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: O
 
 
 def read_hf_config(hf_dir: str) -> dict:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return json.load(f)
+    from megatron_bridge.hf_config import read_hf_config as read
+
+    return read(hf_dir)
 
 
 def read_model_args(hf_dir: str):
-    from rlstack.models import ModelArgs
+    from megatron_bridge.models import ModelArgs
 
     return ModelArgs.from_hf_config(read_hf_config(hf_dir))
 
 
 def check_layout(args, dims) -> None:
     """TP must divide heads and query groups, PP the layers (ValueError naming the fix)."""
-    from rlstack.parallel import ModelShape
-
-    dims.check_model(ModelShape(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                                num_query_groups=args.num_query_groups, vocab_size=args.vocab_size))
+    dims.check_model(args)
 
 
 # ---------------------------------------------------------------- reading slices
@@ -86,7 +85,7 @@ class SafetensorsReader:
                 return dict(json.load(f)["weight_map"])
         single = os.path.join(hf_dir, SAFE_NAME)
         if not os.path.isfile(single):
-            raise ValueError(
+            raise InputError(
                 f"{hf_dir} has neither {SAFE_NAME} nor {INDEX_NAME}: re-save the model with "
                 f"save_pretrained(..., safe_serialization=True)"
             )
@@ -119,17 +118,17 @@ def check_hf_tensors(reader: SafetensorsReader, args, te_spec: bool = False) -> 
     by_hf = hf_to_megatron_names(args, te_spec)
     missing = sorted(n for n in by_hf if n not in reader.files)
     if missing:
-        raise ValueError(f"{reader.hf_dir} lacks {len(missing)} tensor(s) the {args.arch} mapping needs: "
+        raise InputError(f"{reader.hf_dir} lacks {len(missing)} tensor(s) the {args.arch} mapping needs: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}: is it a complete checkpoint?")
     tied_extra = {"lm_head.weight"} if args.tie_word_embeddings else set()  # a tied copy some tools save
     unused = sorted(n for n in reader.files if n not in by_hf and n not in tied_extra and not is_ignored_hf(n))
     if unused:
-        raise ValueError(f"{reader.hf_dir} has tensor(s) the {args.arch} mapping does not use: "
+        raise InputError(f"{reader.hf_dir} has tensor(s) the {args.arch} mapping does not use: "
                          f"{', '.join(unused[:8])}: this model variant is not supported by the bridge")
     for name, uses in by_hf.items():
         m, i = uses[0]
         if reader.shape(name) != m.hf_shapes[i]:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {list(reader.shape(name))}, config.json "
+            raise InputError(f"shape mismatch for {name}: checkpoint {list(reader.shape(name))}, config.json "
                              f"implies {list(m.hf_shapes[i])}: the config and the weights disagree")
 
 
@@ -169,7 +168,7 @@ def load_hf_weights(model, hf_dir: str, args, groups, te_spec: Optional[bool] = 
 def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float32, value_head: bool = False,
                            recompute: bool = False):
     """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args)."""
-    from rlstack.models import ValueHead, build_gpt, init_value_head_, transformer_config
+    from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
     args = read_model_args(hf_dir)
     check_layout(args, groups.dims)

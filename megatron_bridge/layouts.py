@@ -20,6 +20,7 @@ Layouts (megatron-core 0.16.1, vLLM 0.32):
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -55,7 +56,7 @@ def _check_transform(transform: str) -> None:
 
 def _split(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
     if size % tp_size:
-        raise ValueError(f"{what} of size {size} does not divide by TP={tp_size}: choose a TP that divides it")
+        raise InputError(f"{what} of size {size} does not divide by TP={tp_size}: choose a TP that divides it")
     chunk = size // tp_size
     return tp_rank * chunk, (tp_rank + 1) * chunk
 
@@ -141,7 +142,7 @@ def megatron_pieces(transform: str, hf_shapes: Sequence[Sequence[int]], tp_rank:
 
 def _check_heads(args, tp_size: int) -> None:
     if args.num_attention_heads % tp_size or args.num_query_groups % tp_size:
-        raise ValueError(
+        raise InputError(
             f"TP={tp_size} must divide the {args.num_attention_heads} attention heads and "
             f"{args.num_query_groups} query groups: choose a TP that divides both"
         )
@@ -201,13 +202,13 @@ def vllm_kv_heads(args, tp_size: int) -> tuple[int, int]:
     """(KV heads per rank, ranks sharing each KV head), as QKVParallelLinear.__init__ computes them."""
     groups = args.num_query_groups
     if args.num_attention_heads % tp_size:
-        raise ValueError(f"rollout TP={tp_size} must divide the {args.num_attention_heads} attention heads")
+        raise InputError(f"rollout TP={tp_size} must divide the {args.num_attention_heads} attention heads")
     if tp_size >= groups:
         if tp_size % groups:
-            raise ValueError(f"rollout TP={tp_size} must be a multiple of the {groups} KV heads when larger")
+            raise InputError(f"rollout TP={tp_size} must be a multiple of the {groups} KV heads when larger")
         return 1, tp_size // groups
     if groups % tp_size:
-        raise ValueError(f"rollout TP={tp_size} must divide the {groups} KV heads")
+        raise InputError(f"rollout TP={tp_size} must divide the {groups} KV heads")
     return groups // tp_size, 1
 
 

@@ -17,6 +17,7 @@ embedding from the first stage only, so HF stores the tied weight once.
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -84,7 +85,7 @@ class ParamMap:
 
 def declaration(arch: str) -> tuple[Rule, ...]:
     if arch not in DECLARATIONS:
-        raise ValueError(f"unsupported architecture {arch!r}: the bridge supports {', '.join(SUPPORTED)}")
+        raise InputError(f"unsupported architecture {arch!r}: the bridge supports {', '.join(SUPPORTED)}")
     return DECLARATIONS[arch]
 
 

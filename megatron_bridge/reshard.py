@@ -18,6 +18,7 @@ parameters (merged `qkv_proj` / `gate_up_proj`, vocabulary padded to 64 and spli
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import functools
 import time
 from dataclasses import dataclass
@@ -207,10 +208,14 @@ class SyncStats:
     bytes: int = 0  # bytes written into the engine from Megatron shards (local copies + received)
     bytes_received: int = 0  # the part that came from other ranks
     peak_extra_bytes: int = 0  # transport buffers + staged engine tensors, at their largest
+    verify_max_diff: Optional[float] = None  # engine vs actor log-probs on a probe after this sync, if checked
 
     def as_metrics(self) -> dict:
-        return {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
-                "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+        out = {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
+               "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+        if self.verify_max_diff is not None:
+            out["sync/verify_max_diff"] = self.verify_max_diff
+        return out
 
 
 @dataclass
@@ -234,9 +239,9 @@ class WeightSync:
     def __init__(self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128,
                  transport: str = "auto"):
         if bucket_mb <= 0:
-            raise ValueError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
+            raise InputError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
         if transport not in ("auto", "shm", "p2p"):
-            raise ValueError(f"transport={transport!r} is unknown: use auto, shm or p2p")
+            raise InputError(f"transport={transport!r} is unknown: use auto, shm or p2p")
         self.groups, self.engine = groups, engine
         while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
             model = model.module
@@ -253,7 +258,7 @@ class WeightSync:
         members = sorted(r for r, p in peers.items() if p[0] == peers[groups.rank][0])  # my model-parallel group
         one_host = len({peers[r][4] for r in members}) == 1
         if transport == "shm" and not (one_host and self.device.type == "cpu"):
-            raise ValueError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
+            raise InputError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
         # A group of one (training TP1 x PP1) copies locally only: no transport at all.
         self.shm = len(members) > 1 and (transport == "shm" or (transport == "auto" and one_host
                                                                  and self.device.type == "cpu"))

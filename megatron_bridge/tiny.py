@@ -7,6 +7,7 @@ that is not a multiple of 128. head_dim is 32 by default because vLLM's CPU atte
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
 import hashlib
 import json
 import os
@@ -99,7 +100,7 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     if spec.arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
-    raise ValueError(f"tiny model arch {spec.arch!r} is not supported: use llama or qwen2")
+    raise InputError(f"tiny model arch {spec.arch!r} is not supported: use llama or qwen2")
 
 
 def _model_class(arch: str):
@@ -129,4 +130,5 @@ def ensure_tiny_checkpoint(spec: TinySpec = TinySpec(), cache_dir: str | None = 
     """The cached checkpoint for `spec`, built once (safe when several ranks call at once)."""
     key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
-    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec))
+    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec),
+                      required=("config.json", "model.safetensors", "tokenizer.json"))

@@ -5,8 +5,9 @@
 Prints `max_abs_logit_diff=<value>` (largest |HF - Megatron| over the real tokens and the real
 vocabulary, float32) on rank 0; every rank exits 1 when a difference exceeds `--tol`.
 
-Each comparison is one entry of `run_checks`; a rollout-engine check (`--engine hf|vllm
---rollout-tp K`, after a weight sync) adds its arguments in `build_parser` and its entry there.
+Each comparison is one entry of `run_checks`; applications add their own through `extra_checks`
+(`python -m rlstack.verify ... --engine hf|vllm --rollout-tp K` adds the rollout engine's, after a
+weight sync: engines belong to rlstack, which the bridge never imports).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from megatron_bridge.errors import InputError
 
 import torch
 
@@ -34,17 +38,14 @@ class Batch:
     lengths: torch.Tensor  # [B] real tokens per row
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_bridge.verify", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m megatron_bridge.verify") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF checkpoint directory, `default` (SmolLM2) or `tiny`")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per prompt (longer prompts are cut)")
     p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
-    from megatron_bridge.verify_sync import add_engine_args
-
-    add_engine_args(p)
     return p
 
 
@@ -57,7 +58,7 @@ def make_batch(hf_dir: str, vocab_size: int, seq_len: int) -> Batch:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len] for p in PROMPTS]
     if max(max(r) for r in rows) >= vocab_size:
-        raise ValueError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
+        raise InputError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
                          f"config.json do not belong together")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(r) for r in rows)
@@ -138,10 +139,16 @@ def _gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the command
 
-def run_checks(opts, hf_dir: str, groups, batch: Batch, reference) -> dict[str, float]:
+# An extra check an application adds (rlstack.verify adds the rollout engine's):
+# fn(opts, hf_dir, groups, model, args, prompts) -> {name: max difference} (valid on rank 0).
+ExtraCheck = Callable[..., dict]
+
+
+def run_checks(opts, hf_dir: str, groups, batch: Batch, reference, extra_checks: Sequence[ExtraCheck] = ()
+               ) -> dict[str, float]:
     """{check name: max |logit difference| vs transformers}, valid on global rank 0.
 
-    `reference` is transformers' logits on rank 0 (None elsewhere). Add a rollout-engine check here.
+    `reference` is transformers' logits on rank 0 (None elsewhere); `extra_checks` run on the same model.
     """
     from megatron_bridge.hf import build_megatron_from_hf
 
@@ -150,34 +157,32 @@ def run_checks(opts, hf_dir: str, groups, batch: Batch, reference) -> dict[str, 
     _log(groups, f"megatron model built and loaded in {time.time() - start:.1f}s")
     logits = megatron_logits(model, batch.input_ids, groups, args.vocab_size)
     results = {"max_abs_logit_diff": max_abs_diff(logits, reference, batch.lengths)} if groups.rank == 0 else {}
-    if opts.engine is not None:
-        from megatron_bridge.verify_sync import engine_check
-
-        prompts = [row[:n].tolist() for row, n in zip(batch.input_ids, batch.lengths)]
-        engine_results = engine_check(opts, hf_dir, groups, model, args, prompts)
+    prompts = [row[:n].tolist() for row, n in zip(batch.input_ids, batch.lengths)]
+    for check in extra_checks:
+        extra = check(opts, hf_dir, groups, model, args, prompts)
         if groups.rank == 0:
-            results.update(engine_results)
+            results.update(extra)
     return results
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, parser: Optional[argparse.ArgumentParser] = None, extra_checks: Sequence[ExtraCheck] = ()) -> int:
+    parser = parser or build_parser()
     opts = parser.parse_args(argv)
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
-    from rlstack.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megatron_bridge.parallel import ParallelDims, destroy_distributed, init_distributed
 
     try:  # user mistakes surface before any process group starts: one line naming the fix
         hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
         args = read_model_args(hf_dir)
         check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
-    except ValueError as e:
+    except InputError as e:
         parser.error(str(e))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = init_distributed(opts.tp, opts.pp)
     try:
         batch = make_batch(hf_dir, args.vocab_size, opts.seq_len)
         reference = hf_logits(hf_dir, batch, groups.device) if groups.rank == 0 else None
-        results = run_checks(opts, hf_dir, groups, batch, reference)
+        results = run_checks(opts, hf_dir, groups, batch, reference, extra_checks)
         failed = _report(results, opts.tol, groups)
     finally:
         destroy_distributed()

@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from rlstack import megatron_compat
+from rlstack.errors import UserError
 
 log = logging.getLogger("rlstack")
 
@@ -51,7 +52,7 @@ def _optim_metadata(device) -> dict:
     return dict(OPTIM_METADATA, distrib_optim_fully_reshardable_mem_efficient=device.type != "cuda")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that must not be loaded; the message says which one, why, and what to do."""
 
 
@@ -148,7 +149,13 @@ def resolve_resume(cfg) -> Optional[str]:
 
 
 def resolve_path(path: str, what: str) -> str:
-    """`path` if it is a complete checkpoint, else the newest complete one in the checkpoints folder `path`."""
+    """`path` if it is a complete checkpoint, else the newest complete one in the checkpoints folder `path`.
+
+    `path` may also be the `latest` pointer file (it names the newest checkpoint in its folder).
+    """
+    if os.path.basename(path.rstrip("/")) == LATEST and os.path.isfile(path):
+        with open(path) as f:
+            path = os.path.join(os.path.dirname(path), f.read().strip())
     if not os.path.isdir(path):
         raise CheckpointError(f"{what}={path}: no such directory: pass a checkpoint directory "
                               "(.../checkpoints/step_N) or a checkpoints folder")

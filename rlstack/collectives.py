@@ -4,7 +4,7 @@ Why one module: NCCL refuses CPU tensors (`No backend type associated with devic
 most metric code naturally builds CPU tensors (`torch.tensor([loss, tokens])`). Here every tensor
 that crosses a group is first put on `device` (the rank's `ParallelGroups.device`: its GPU under
 NCCL, the CPU under gloo) and results come back as Python floats or on the caller's device. On CUDA
-the default group is also created as `cpu:gloo,cuda:nccl` (`rlstack.parallel.process_group_backend`), so a
+the default group is also created as `cpu:gloo,cuda:nccl` (`megatron_bridge.parallel.process_group_backend`), so a
 CPU tensor that slipped through would still have a path, but nothing here relies on that.
 
 `tests/unit/test_collectives.py` fails when code under rlstack/ or benchmarks/ calls a raw
@@ -95,3 +95,22 @@ def src_of_last(group) -> int:
 def _object_device(device) -> Optional[torch.device]:
     device = torch.device(device)
     return device if device.type == "cuda" else None
+
+
+def missing_ranks(group, timeout_s: float) -> str:
+    """After a collective timed out: which ranks of `group` do not check in within `timeout_s`.
+
+    gloo's `monitored_barrier` makes rank 0 wait for every other rank and name the ones that never
+    arrive ("Ranks 1 failed to pass monitoredBarrier"); other ranks learn only that it failed. Returns
+    the names ("1" or "1, 3"), or "" when every rank arrived or this rank cannot tell. `group` must be a
+    gloo group (it is made for this at start-up).
+    """
+    import datetime
+    import re
+
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        found = re.findall(r"[Rr]anks? ([\d, ]+) failed to pass", str(e))
+        return found[0].strip().rstrip(",") if found else ""
+    return ""

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
+from rlstack.algorithms import names as algorithm_names  # torch-free name lists of the registries
+from rlstack.errors import UserError
 
-class ConfigError(ValueError):
+
+
+class ConfigError(UserError):
     """A user mistake in a config file or override; the message names the fix."""
 
 
@@ -55,7 +60,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size; must divide the number of layers
     dp: int = -1  # data parallel size; -1: world_size / (tp * pp)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
-    timeout_minutes: int = 30  # collective timeout: a dead rank ends the job after this
+    timeout_minutes: float = 0  # collective timeout: a dead or stalled rank ends the job after this; 0: auto
+    # (30 on GPUs, where NCCL's first collectives and compilation are slow; 10 on CPU)
     use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
     threads_per_rank: int = 0  # CPU threads per rank; 0: cores / local ranks
 
@@ -73,7 +79,8 @@ class RolloutConfig:
     max_new_tokens: int = 64  # response length limit
     micro_batch_size: int = 32  # sequences generated at once by the hf engine
     sync_bucket_mb: int = 64  # weight-sync bucket size
-    verify_sync: bool = False  # compare engine and actor log-probs after every sync
+    verify_sync: int = 0  # every N steps compare engine and actor log-probs after the sync (0: off)
+    verify_sync_tol: float = 1e-3  # largest |engine - actor| log-prob (fp32); also bounds actor/rollout_diff_max
     gpu_memory_utilization: float = 0.5  # vLLM: share of GPU memory for weights + KV cache
     max_num_seqs: int = 256  # vLLM: concurrent sequences
     max_model_len: int = 0  # vLLM: context limit; 0: max prompt + max new tokens
@@ -86,7 +93,8 @@ class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo; "" picks gae for ppo, grpo for grpo
+    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline]; "": gae (ppo), grpo (grpo)
+    policy_loss: str = "vanilla"  # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip)
     gamma: float = 1.0
     lam: float = 1.0
     clip_ratio_low: float = 0.2
@@ -94,11 +102,13 @@ class AlgorithmConfig:
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
     value_clip: float = 0.2
     entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum[-norm] | seq-mean-token-mean
+    loss_scale_factor: int = 0  # the constant of seq-mean-token-sum-norm (Dr.GRPO); 0: rollout.max_new_tokens
     use_kl_loss: bool = True  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    kl_loss_type: str = "k3"  # k1 | k2 | k3, verl's kl | mse | low_var_kl | abs, and "+" variants
     use_kl_in_reward: bool = False  # KL as an in-reward penalty (PPO style)
+    kl_penalty: str = "k1"  # estimator of the in-reward KL (verl's algorithm.kl_penalty; kl = k1)
     kl_ctrl: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001  # in-reward KL coefficient (initial, if adaptive)
     kl_target: float = 0.1  # adaptive controller target KL
@@ -113,6 +123,13 @@ class AlgorithmConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     critic_warmup_steps: int = 0  # steps that train only the critic (PPO)
+    # Learning-rate schedule (megatron-core's OptimizerParamScheduler, one per trained role): a linear
+    # warm-up from 0, then constant or a cosine decay to min_lr_ratio x lr at trainer.total_steps.
+    lr_schedule: str = "constant"  # constant | cosine
+    actor_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    critic_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
+    lr_warmup_ratio: float = 0.0  # share of trainer.total_steps used to warm up when the steps are 0
+    min_lr_ratio: float = 0.0  # cosine: the final lr as a share of actor_lr / critic_lr
 
 
 @dataclass
@@ -135,6 +152,10 @@ class DataConfig:
     seed: int = 0
     reward_fn_file: str = ""  # python file with verl's compute_score signature
     reward_fn_name: str = "compute_score"
+    reward_fn_batched: bool = False  # the function takes lists (verl's batch reward manager form)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
+    reward_timeout_s: float = 0.0  # per call; a late call scores 0.0 (as verl); 0: no limit
+    reward_scorer: str = ""  # a built-in scorer for every data_source (e.g. gsm8k_lenient); "": by data_source
 
 
 @dataclass
@@ -148,6 +169,8 @@ class TrainerConfig:
     val_before_train: bool = False
     val_after_train: bool = False
     deterministic: bool = False  # torch deterministic algorithms (golden-file tests)
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf loss or gradient norm stops the run, or skips that update
+    overwrite: bool = False  # start afresh in an output_dir that holds an earlier run (deletes its checkpoints)
 
 
 @dataclass
@@ -165,7 +188,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """Logs, trackers and resource warnings."""
 
-    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
+    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb, mlflow
     level: str = "INFO"
     memory_warn_fraction: float = 0.85  # WARNING when RSS (or GPU memory) passes this share
     progress: bool = True  # tqdm bars on rank 0 for rollout and validation
@@ -191,14 +214,18 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": ("ppo", "grpo"),
-    "algorithm.adv_estimator": ("", "gae", "grpo", "drgrpo", "rloo"),
-    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "algorithm.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
+    "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
+    "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
+    "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
+    "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "algorithm.lr_schedule": ("constant", "cosine"),
     "data.truncation": ("error", "drop"),
+    "trainer.on_nonfinite": ("stop", "skip"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
-TRACKERS = ("console", "jsonl", "tensorboard", "wandb")
+TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -216,11 +243,15 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> ExperimentCon
 
 
 def _read_yaml(path: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found: pass an existing YAML file to --config")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not a text file: pass a YAML file to --config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -261,7 +292,7 @@ def _build(cls, raw: Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names]))
+            raise ConfigError(_unknown_key_message(prefix + str(key), [prefix + n for n in names], raw[key], raw))
     kwargs = {}
     for name in names:
         if name in raw:
@@ -269,10 +300,56 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
-def _unknown_key_message(key: str, valid: list[str]) -> str:
+def _unknown_key_message(key: str, valid: list[str], value: Any = None, raw: Optional[dict] = None) -> str:
+    verl_hint = _verl_hint(key, value)
+    if verl_hint:
+        return verl_hint
     close = difflib.get_close_matches(key, _all_keys(valid), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
-    return f"unknown config key '{key}': {hint}"
+    note = _no_effect_note(close[0], raw or {}) if close else ""
+    return f"unknown config key '{key}': {hint}{note}"
+
+
+# Keys read only under some setting: (key, its section's switch, the switch's default, the key that
+# applies otherwise). A suggestion that would change nothing says so.
+_CONDITIONAL_KEYS = {
+    "algorithm.kl_coef": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_ctrl": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_target": ("use_kl_in_reward", False, "algorithm.kl_loss_coef (the KL loss; use_kl_loss)"),
+    "algorithm.kl_loss_coef": ("use_kl_loss", True, "algorithm.kl_coef (the in-reward KL; use_kl_in_reward)"),
+    "algorithm.kl_loss_type": ("use_kl_loss", True, "algorithm.kl_coef (the in-reward KL; use_kl_in_reward)"),
+}
+
+
+def _no_effect_note(key: str, section_raw: dict) -> str:
+    if key not in _CONDITIONAL_KEYS:
+        return ""
+    switch, default, other = _CONDITIONAL_KEYS[key]
+    if bool(section_raw.get(switch, default)):
+        return ""
+    return f" (note: {key} has no effect while algorithm.{switch}=false; this config uses {other})"
+
+
+def _verl_hint(key: str, value: Any) -> Optional[str]:
+    """For a verl key (`data.max_response_length`, `actor_rollout_ref.actor.optim.lr`, ...), its
+    rlstack name; `value` is what the key holds, so a verl section names its first verl leaf."""
+    from rlstack.from_verl import rlstack_name_for  # pure Python; imports config only lazily
+
+    for leaf in [key] + _leaf_keys(key, value):
+        target = rlstack_name_for(leaf)
+        if target:
+            return (f"unknown config key '{leaf}': that is verl's name; rlstack's is {target} "
+                    "(python -m rlstack.from_verl translates a whole verl command line)")
+    return None
+
+
+def _leaf_keys(prefix: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    keys = []
+    for k, v in value.items():
+        keys += _leaf_keys(f"{prefix}.{k}", v) if isinstance(v, dict) else [f"{prefix}.{k}"]
+    return keys
 
 
 def _all_keys(valid: list[str]) -> list[str]:
@@ -298,12 +375,20 @@ def _coerce(tp, value: Any, key: str):
         if value is None:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"'{key}' expects a mapping like {{name: value}}, got {value!r}")
+        return dict(value)
     if origin is list:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # verl accepts a single path where a list is expected
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' expects a list like [a,b], got {value!r}")
         return [_coerce(args[0], v, key) for v in value]
+    if isinstance(value, dict):  # a section where rlstack has a value: maybe a verl sub-section
+        hint = _verl_hint(key, value)
+        if hint:
+            raise ConfigError(hint)
     return _scalar(tp, value, key)
 
 
@@ -341,6 +426,8 @@ def check_values(cfg: ExperimentConfig) -> None:
         if name not in TRACKERS:
             raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
     _check_positive(cfg)
+    _check_ranges(cfg)
+    _check_schedule_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
         raise ConfigError(f"'parallel.dp' is {p.dp}: use a positive size or -1 (world / (tp*pp))")
@@ -348,8 +435,14 @@ def check_values(cfg: ExperimentConfig) -> None:
         pass  # critic-free estimators with PPO's critic still work; the critic then only logs values
     if cfg.algorithm.name == "grpo" and cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("'algorithm.adv_estimator=gae' needs a critic: set algorithm.name=ppo")
-    if cfg.rollout.n < 2 and adv_estimator(cfg) in ("grpo", "drgrpo", "rloo"):
+    if cfg.rollout.n < 2 and adv_estimator(cfg) in algorithm_names.GROUP_ESTIMATORS:
         raise ConfigError(f"'{adv_estimator(cfg)}' advantages need groups: set rollout.n >= 2")
+    if cfg.data.reward_scorer:
+        from rlstack.rewards import SCORERS  # pure Python, no torch
+
+        if cfg.data.reward_scorer not in SCORERS:
+            raise ConfigError(f"'data.reward_scorer' is {cfg.data.reward_scorer!r}: choose one of "
+                              f"{', '.join(map(repr, sorted(SCORERS)))} or leave it empty")
     if not cfg.data.train_files and not cfg.data.synthetic:
         raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
 
@@ -358,10 +451,65 @@ def _check_positive(cfg: ExperimentConfig) -> None:
     for key in ("parallel.tp", "parallel.pp", "rollout.tp", "rollout.n", "rollout.max_new_tokens",
                 "rollout.micro_batch_size", "rollout.sync_bucket_mb", "algorithm.ppo_epochs",
                 "algorithm.micro_batch_size", "data.max_prompt_length", "data.train_batch_size",
-                "data.val_batch_size", "trainer.total_steps", "parallel.timeout_minutes"):
+                "data.val_batch_size", "trainer.total_steps"):
         value = get_dotted(cfg, key)
         if value < 1:
             raise ConfigError(f"'{key}' is {value}: it must be at least 1")
+
+
+# (key, test, what it must be): float ranges the run would otherwise trip over late or silently.
+_RANGES = (
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("algorithm.actor_lr", lambda v: v > 0, "> 0"),
+    ("algorithm.critic_lr", lambda v: v > 0, "> 0"),
+    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.clip_ratio_low", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_ratio_high", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_ratio_c", lambda v: v > 1, "> 1 (the dual-clip bound)"),
+    ("algorithm.value_clip", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("parallel.timeout_minutes", lambda v: v >= 0, ">= 0 (0: auto)"),
+    ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+)
+
+
+def _check_ranges(cfg: ExperimentConfig) -> None:
+    t = cfg.rollout.temperature
+    if not t > 0:
+        raise ConfigError(f"'rollout.temperature' is {t}: it must be > 0 (log-probs are of logits / temperature); "
+                          "for greedy decoding set rollout.top_k=1, or a small temperature such as 0.01")
+    for key, ok, what in _RANGES:
+        value = get_dotted(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"'{key}' is {value}: it must be {what}")
+
+
+def timeout_minutes(cfg: ExperimentConfig, on_gpu: bool) -> float:
+    """The collective timeout in minutes (parallel.timeout_minutes, or its auto value)."""
+    return cfg.parallel.timeout_minutes or (30.0 if on_gpu else 10.0)
+
+
+def _check_schedule_ranges(cfg: ExperimentConfig) -> None:
+    a = cfg.algorithm
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.min_lr_ratio"):
+        value = get_dotted(cfg, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"'{key}' is {value}: it must lie in [0, 1]")
+    for key in ("algorithm.actor_lr_warmup_steps", "algorithm.critic_lr_warmup_steps",
+                "algorithm.loss_scale_factor", "data.reward_timeout_s"):
+        value = get_dotted(cfg, key)
+        if value < 0:
+            raise ConfigError(f"'{key}' is {value}: it must be >= 0 (0: off or the default)")
+    if a.actor_lr_warmup_steps > cfg.trainer.total_steps or a.critic_lr_warmup_steps > cfg.trainer.total_steps:
+        raise ConfigError(f"'algorithm.*_lr_warmup_steps' ({a.actor_lr_warmup_steps}, {a.critic_lr_warmup_steps}) "
+                          f"exceed trainer.total_steps={cfg.trainer.total_steps}: shorten the warm-up")
 
 
 def adv_estimator(cfg: ExperimentConfig) -> str:

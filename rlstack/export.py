@@ -14,6 +14,7 @@ starting HF checkpoint stored inside the checkpoint.
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import argparse
 import dataclasses
 import json
@@ -34,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--critic-out", default="", help="critic HF directory (default: <out>-critic)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size to load at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at")
+    parser.add_argument("--force", action="store_true", help="write into non-empty --out/--critic-out directories")
     return parser.parse_args(argv)
 
 
@@ -41,13 +43,13 @@ def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp:
                       groups=None) -> dict:
     """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
     from rlstack.checkpoint import resolve_path
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     path = resolve_path(ckpt, "--ckpt")
     with open(os.path.join(path, "trainer_state.json")) as f:
         roles = json.load(f)["roles"]
     if critic_out and "critic" not in roles:
-        raise ValueError(f"checkpoint {path} has no critic (a GRPO run?): drop --critic")
+        raise UserError(f"checkpoint {path} has no critic (a GRPO run?): drop --critic")
     groups = groups or init_distributed(tp, pp, backend="auto")
     written = {"actor": _export_role(path, "actor", out, groups)}
     if critic_out:
@@ -86,7 +88,7 @@ def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
 
 def _build_empty(args, groups, value_head: bool):
     """One pipeline stage without initialising weights: the checkpoint fills every parameter."""
-    from rlstack.models import build_gpt, transformer_config
+    from megatron_bridge.models import build_gpt, transformer_config
 
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp)
@@ -130,9 +132,11 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from rlstack.parallel import destroy_distributed
+    from megatron_bridge.parallel import destroy_distributed
 
     critic_out = (args.critic_out or args.out.rstrip("/") + "-critic") if args.critic else None
+    for flag, out in (("--out", args.out), ("--critic-out", critic_out)):
+        _check_out_dir(flag, out, args.force)
     try:
         written = export_checkpoint(args.ckpt, args.out, critic_out, tp=args.tp, pp=args.pp)
     finally:
@@ -141,6 +145,16 @@ def _run(args) -> int:
         if out:
             print(f"{role}: {out}")
     return 0
+
+
+def _check_out_dir(flag: str, out: Optional[str], force: bool) -> None:
+    """Never write over an existing directory's files unless asked to (--force)."""
+    if not out or not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise UserError(f"{flag} {out} is a file: pass a directory path")
+    if os.listdir(out) and not force:
+        raise UserError(f"{flag} {out} is not empty: choose a new directory, or pass --force to write into it")
 
 
 if __name__ == "__main__":  # dist checkpointing spawns a process: keep the guard

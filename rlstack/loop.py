@@ -12,19 +12,24 @@ log = logging.getLogger("rlstack")
 def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "") -> int:
     import torch
 
-    from rlstack.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     _set_threads(cfg.parallel.threads_per_rank)
     p = cfg.parallel
-    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, p.timeout_minutes, seed=cfg.trainer.seed)
+    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     trainer = trackers = None
+    health = _health_group(cfg)
     try:
         trainer, trackers = _start(cfg, groups, config_yaml)
         _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
         _loop(cfg, trainer, trackers, groups, dry_run, profile)
+    except Exception as e:
+        if _is_collective_timeout(e):
+            raise _stalled_ranks_error(e, health, cfg, groups.rank) from e
+        raise
     finally:
         if trackers is not None:
             trackers.close()
@@ -32,6 +37,32 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
             trainer.engine.close()
         destroy_distributed()
     return 0
+
+
+def _health_group(cfg):
+    """A gloo group of every rank, used only to find which ranks stopped answering after a timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=_timeout(cfg)))
+
+
+def _is_collective_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def _stalled_ranks_error(e: BaseException, health, cfg, rank: int):
+    """A collective timed out: ask every rank to check in, so the message names the missing ones."""
+    from rlstack import collectives
+    from rlstack.errors import UserError
+
+    missing = collectives.missing_ranks(health, timeout_s=20)
+    who = f"rank(s) {missing}" if missing else "some rank(s)"
+    return UserError(f"{who} did not answer for {_timeout(cfg):g} minutes (parallel.timeout_minutes): stalled "
+                     f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
+                     f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept")
 
 
 def _seed_all(seed: int) -> None:
@@ -52,6 +83,8 @@ def _start(cfg, groups, config_yaml: str):
     setup_logging(out, groups.rank, cfg.logging.level)
     if groups.rank == 0:
         os.makedirs(out, exist_ok=True)
+        if cfg.trainer.overwrite:
+            _clear_earlier_run(cfg)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(config_yaml)
     log.info("layout tp=%d pp=%d dp=%d world=%d backend=%s", groups.dims.tp, groups.dims.pp, groups.dims.dp,
@@ -60,7 +93,8 @@ def _start(cfg, groups, config_yaml: str):
     from rlstack.config import to_dict
 
     trackers = build_trackers(cfg.logging.trackers, out, groups.rank, config_dict=to_dict(cfg),
-                              project=cfg.logging.project, run_name=cfg.logging.run_name)
+                              project=cfg.logging.project, run_name=cfg.logging.run_name,
+                              resume=cfg.checkpoint.resume != "never")  # W&B/MLflow continue the same run
     return trainer, trackers
 
 
@@ -102,6 +136,22 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
         log.info("dry run: parameter checksum unchanged (%s)", after)
 
 
+def _clear_earlier_run(cfg) -> None:
+    """trainer.overwrite=true: the user asked to start afresh; delete the earlier run's checkpoints and metrics."""
+    import shutil
+
+    from rlstack.checkpoint import checkpoint_root
+    from rlstack.observability.trackers import METRICS_FILE
+
+    root, metrics = checkpoint_root(cfg), os.path.join(cfg.trainer.output_dir, METRICS_FILE)
+    if os.path.isdir(root):
+        log.warning("trainer.overwrite=true: deleting the earlier run's checkpoints in %s", root)
+        shutil.rmtree(root)
+    if os.path.isfile(metrics):
+        log.warning("trainer.overwrite=true: starting a new %s", metrics)
+        os.remove(metrics)
+
+
 def _checkpointer(cfg, groups, dry_run: bool):
     if dry_run or (cfg.checkpoint.save_every <= 0 and cfg.checkpoint.resume == "never"):
         return None
@@ -140,3 +190,11 @@ def _set_threads(threads_per_rank: int) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads_per_rank = max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads_per_rank)
+
+
+def _timeout(cfg) -> float:
+    import torch
+
+    from rlstack.config import timeout_minutes
+
+    return timeout_minutes(cfg, on_gpu=torch.cuda.is_available())

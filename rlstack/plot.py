@@ -8,6 +8,7 @@ metrics the run logged) to DIR (default RUN_DIR/plots) and prints each path.
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import argparse
 import json
 import os
@@ -41,7 +42,7 @@ CHARTS = (
 def read_metrics(path: str) -> list[dict]:
     """Rows sorted by step; a step logged twice (a resumed run) keeps its last row."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path} not found: pass the run's trainer.output_dir, which holds {METRICS_FILE}")
+        raise UserError(f"{path} not found: pass the run's trainer.output_dir, which holds {METRICS_FILE}")
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     by_step: dict[int, dict] = {}
@@ -53,9 +54,9 @@ def read_metrics(path: str) -> list[dict]:
         except json.JSONDecodeError:
             if number == len(lines):
                 continue  # a run killed mid-write leaves at most one partial last line
-            raise ValueError(f"{path} line {number} is not JSON: fix or delete that line")
+            raise UserError(f"{path} line {number} is not JSON: fix or delete that line")
         if not isinstance(row, dict) or "step" not in row:
-            raise ValueError(f"{path} line {number} has no 'step': each line must be a JSON object with a step")
+            raise UserError(f"{path} line {number} has no 'step': each line must be a JSON object with a step")
         by_step[int(row["step"])] = row
     return [by_step[s] for s in sorted(by_step)]
 
@@ -123,7 +124,7 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list[str]:
             draw(chart, rows, keys, path)
             written.append(path)
     if not written:
-        raise ValueError(f"{os.path.join(run_dir, METRICS_FILE)} holds no plottable metrics "
+        raise UserError(f"{os.path.join(run_dir, METRICS_FILE)} holds no plottable metrics "
                          f"(reward/mean, actor/kl, actor/loss, val/accuracy, throughput/*, timing/*)")
     return written
 
@@ -135,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         paths = plot_run(args.run_dir, args.out)
-    except ValueError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for path in paths:

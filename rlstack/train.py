@@ -34,14 +34,24 @@ def main(argv=None) -> int:
 
 def _run(args, rank: int) -> int:
     from rlstack.config import load_config, to_yaml
-    from rlstack.parallel import check_layout
+    from rlstack.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or _default_world(cfg)
-    dims = check_layout(cfg, world_size)
+    found = preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
     if args.validate_only:
-        print(f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size})")
+        dims = found.dims
+        resume = f", resumes from {found.resume_from}" if found.resume_from else ""
+        print(f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
+              f"data sources {', '.join(found.data_sources) or '-'}{resume})")
+        from rlstack.planner import format_plan, plan_for_validate
+
+        plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
+        if plan is not None:  # the model's config.json is here: the memory plan for this machine
+            print(format_plan(plan))
         return 0
+    if cfg.trainer.overwrite:
+        cfg.checkpoint.resume = "never"  # the earlier run's checkpoints are deleted at start
     from rlstack.loop import run_training
 
     return run_training(cfg, dry_run=args.dry_run, profile=args.profile, config_yaml=to_yaml(cfg))

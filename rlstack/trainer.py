@@ -17,11 +17,12 @@ from rlstack.algorithms import build_kl_controller, compute_advantages, place_at
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.observability.progress import progress
-from rlstack.parallel import ParallelGroups
+from megatron_bridge.parallel import ParallelGroups
+from rlstack.rollout import sync_check
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import gather_objects, make_batch, scatter_to_tokens, split_for_rank
 from rlstack.workers.critic import Critic
-from rlstack.workers.megatron_role import MegatronRole, OptimSettings
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, warmup_steps
 from rlstack.workers.step_metrics import reduce_stats
 
 log = logging.getLogger("rlstack")
@@ -42,7 +43,7 @@ class Trainer:
         self.train_set, self.val_set = build_datasets(cfg.data, self.tokenizer)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
-        self.scorer = RewardScorer(cfg.data.reward_fn_file, cfg.data.reward_fn_name)
+        self.scorer = RewardScorer.from_config(cfg.data)
         self.scorer.check_sources(self.train_set.data_sources())
         if self.val_set is not None:
             self.scorer.check_sources(self.val_set.data_sources())
@@ -61,16 +62,22 @@ class Trainer:
         a = cfg.algorithm
         dtype = DTYPES[cfg.model.dtype]
         optim = dict(weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                     adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                     lr_schedule=a.lr_schedule, total_steps=cfg.trainer.total_steps, min_lr_ratio=a.min_lr_ratio)
+        total = cfg.trainer.total_steps
+        actor_optim = OptimSettings(lr=a.actor_lr, lr_warmup_steps=warmup_steps(
+            a.actor_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
+        critic_optim = OptimSettings(lr=a.critic_lr, lr_warmup_steps=warmup_steps(
+            a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
         recompute = cfg.model.gradient_checkpointing
-        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=OptimSettings(lr=a.actor_lr, **optim),
+        self.actor = Actor(MegatronRole(self.hf_dir, g, dtype, optim=actor_optim,
                                         recompute=recompute), a, temperature=cfg.rollout.temperature)
         self.ref = MegatronRole(self.hf_dir, g, dtype) if self.needs_reference else None
         self.critic = None
         if a.name == "ppo":
             critic_dir = cfg.model.critic_path or self.hf_dir
             self.critic = Critic(MegatronRole(critic_dir, g, dtype, value_head=True, recompute=recompute,
-                                              optim=OptimSettings(lr=a.critic_lr, **optim),
+                                              optim=critic_optim,
                                               value_head_seed=cfg.trainer.seed), a)
         self.engine = build_engine(cfg.rollout, self.hf_dir, g, self.tokenizer.eos_token_id,
                                    self.tokenizer.pad_token_id)
@@ -90,6 +97,7 @@ class Trainer:
         t0 = time.perf_counter()
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
+        sync_check.after_sync(self, sync_stats)  # rollout.verify_sync: stale engine weights stop the run
 
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
@@ -103,12 +111,15 @@ class Trainer:
 
         t0 = time.perf_counter()
         metrics = self._update(batch, forward_only=dry_run)
+        sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
         timings["timing/step_s"] = time.perf_counter() - t_step
 
         metrics.update(timings)
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
+        metrics.update(self._reward_extra_metrics(over_dp=True))
+        self._check_finite(metrics)
         self.step += 1
         return metrics
 
@@ -185,7 +196,7 @@ class Trainer:
             batch["old_values"] = self.critic.compute_values(batch, mbs)
         metrics.update(self._advantages(batch))
         minis = _mini_batches(batch, a.mini_batch_size, g.dims.dp, mbs)
-        actor_stats, critic_stats, grad_norms = [], [], []
+        actor_stats, critic_stats, grad_norms, critic_norms = [], [], [], []
         train_actor = self.step >= a.critic_warmup_steps
         actor_s = critic_s = 0.0
         for _ in range(a.ppo_epochs):
@@ -195,6 +206,7 @@ class Trainer:
                 if self.critic is not None:
                     out = self.critic.update(mini, counts, mbs, scale, forward_only=forward_only)
                     critic_stats += out["stats"]
+                    critic_norms.append(out["grad_norm"])
                 t1 = time.perf_counter()
                 if train_actor:
                     actor_inputs = {k: v for k, v in mini.items() if k not in ("old_values", "returns")}
@@ -206,9 +218,45 @@ class Trainer:
         metrics.update(self._train_throughput(batch, actor_s, critic_s))
         metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
         metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
-        if grad_norms:
-            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        for key, norms in (("actor/grad_norm", grad_norms), ("critic/grad_norm", critic_norms)):
+            if norms and not forward_only:
+                metrics[key] = sum(norms) / len(norms)
+        if not forward_only:  # the lr schedules count trainer steps (as verl's); the actor's only when it trained
+            if train_actor:
+                metrics["actor/lr"] = self.actor.role.lr_schedule.lr
+                self.actor.role.lr_schedule.step()
+            if self.critic is not None:
+                metrics["critic/lr"] = self.critic.role.lr_schedule.lr
+                self.critic.role.lr_schedule.step()
         return metrics
+
+    # Step metrics that must stay finite; a non-finite one stops the run (or, for gradient norms
+    # with trainer.on_nonfinite=skip, the update was skipped and the run goes on).
+    _FINITE_LOSSES = ("actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy", "critic/loss")
+    _FINITE_NORMS = ("actor/grad_norm", "critic/grad_norm")
+
+    def _check_finite(self, metrics: dict) -> None:
+        from rlstack.workers.finite import DivergenceError, count_nonfinite, first_nonfinite
+
+        step, skip = self.step + 1, self.cfg.trainer.on_nonfinite == "skip"
+        modules = [self.actor.role.module] + ([self.critic.role.module] if self.critic is not None else [])
+        bad_weights = collectives.sum_floats([float(count_nonfinite(modules))], self.groups.world, self.groups.device)[0]
+        if bad_weights:
+            raise DivergenceError(f"training diverged at step {step}: {int(bad_weights)} weight tensor(s) hold NaN/inf "
+                                  f"after the optimizer step (nothing is saved from this step): lower "
+                                  f"algorithm.actor_lr/critic_lr or algorithm.clip_grad")
+        norm = first_nonfinite(metrics, self._FINITE_NORMS)
+        loss = first_nonfinite(metrics, self._FINITE_LOSSES)
+        if (norm or loss) and skip:
+            log.warning("step %d: %s is %s: the update was skipped, weights unchanged (trainer.on_nonfinite=skip)",
+                        step, norm or loss, metrics[norm or loss])
+            metrics["trainer/skipped_update"] = 1.0
+            return
+        if norm or loss:
+            key = norm or loss
+            raise DivergenceError(f"training diverged at step {step}: {key} is {metrics[key]} (the optimizer step "
+                                  f"was skipped; nothing is saved from this step): lower algorithm.actor_lr/critic_lr "
+                                  f"or algorithm.clip_grad, or set trainer.on_nonfinite=skip to skip such updates")
 
     def _on_policy(self) -> bool:
         """One epoch over one mini-batch: the policy that sampled is the one being updated."""
@@ -240,31 +288,35 @@ class Trainer:
 
     def _advantages(self, batch: dict) -> dict:
         a, g = self.cfg.algorithm, self.groups
-        mask = batch["resp_mask"]
-        token_rewards = place_at_last_token(batch["scores"], mask)  # [B, S]
+        n = batch["num_sequences"]  # rows past n only fill the last micro-batch: no response, no reward
+        mask = batch["resp_mask"][:n]
+        token_rewards = place_at_last_token(batch["scores"][:n], mask)  # [n, S]
         metrics = {}
         if a.use_kl_in_reward:
-            token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"], batch["ref_logprob"],
-                                                      mask, self.kl_ctrl.value, "k1")
+            token_rewards, kl_mean = apply_kl_penalty(token_rewards, batch["old_logprob"][:n],
+                                                      batch["ref_logprob"][:n], mask, self.kl_ctrl.value, a.kl_penalty)
             kl_mean = collectives.sum_floats([float(kl_mean)], g.dp, g.device)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
         estimator = adv_estimator(self.cfg)
-        n = batch["num_sequences"]  # rows past n only fill the last micro-batch
-        inputs = dict(token_rewards=token_rewards[:n])
+        inputs = dict(token_rewards=token_rewards)
         if estimator == "gae":
             inputs["values"] = batch["old_values"][:n]
-        adv, returns = compute_advantages(estimator, mask=mask[:n], group_ids=batch["group_ids"][:n], gamma=a.gamma,
+        adv, returns = compute_advantages(estimator, mask=mask, group_ids=batch["group_ids"][:n], gamma=a.gamma,
                                           lam=a.lam, reduce_fn=collectives.sum_over(g.dp, g.device), **inputs)
-        batch["advantages"] = _pad_rows(adv.detach(), mask.shape[0])
-        batch["returns"] = _pad_rows(returns.detach(), mask.shape[0])
+        rows = batch["resp_mask"].shape[0]
+        batch["advantages"] = _pad_rows(adv.detach(), rows)
+        batch["returns"] = _pad_rows(returns.detach(), rows)
         return metrics
 
     def _counts(self, mini: dict) -> tuple[dict, float]:
         g, mask = self.groups, mini["resp_mask"]
         tokens, seqs = collectives.sum_floats([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp, g.device)
         num_micro = mini["tokens"].shape[0] // self.cfg.algorithm.micro_batch_size
-        return {"global_num_tokens": tokens, "global_num_seqs": seqs}, float(num_micro * g.dims.dp)
+        # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
+        scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+        return ({"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
+                float(num_micro * g.dims.dp))
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups
@@ -284,16 +336,33 @@ class Trainer:
 
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, _ = self.generate(prompts, greedy=True)
-        return val_accuracy(self._rewards(prompts, gens), [prompts[i].data_source for i, *_ in gens])
+        metrics = val_accuracy(self._rewards(prompts, gens), [prompts[i].data_source for i, *_ in gens])
+        # every rank scored every validation response: no reduction over ranks
+        metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
+        return metrics
 
     def _rewards(self, prompts: list, gens: list) -> list[float]:
         """Rule (or custom) score of each generated response against its prompt's ground truth."""
-        scores = []
-        for i, resp, *_ in gens:
-            p = prompts[i]
-            text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            scores.append(self.scorer.score(p.data_source, text, p.ground_truth, p.extra_info))
-        return scores
+        from rlstack.rewards import Sample
+
+        samples = [Sample(prompts[i].data_source, self.tokenizer.decode(resp, skip_special_tokens=True),
+                          prompts[i].ground_truth, prompts[i].extra_info, row=prompts[i].index)
+                   for i, resp, *_ in gens]
+        self._reward_results = self.scorer.score_batch(samples)
+        return [r.score for r in self._reward_results]
+
+    def _reward_extra_metrics(self, over_dp: bool) -> dict:
+        """`reward_extra/<key>`: means of the custom reward function's numeric extra dict keys (and
+        the share of calls past data.reward_timeout_s) over the last scored samples. Ranks may see
+        different keys, so (sum, count) pairs are all-gathered rather than all-reduced."""
+        from rlstack.rewards import extras_sums, merge_extras_sums
+
+        if self.scorer.custom_fn is None:
+            return {}
+        local = extras_sums(getattr(self, "_reward_results", []))
+        g = self.groups
+        parts = gather_objects([local], g.dp, g.dims.dp) if over_dp else [local]
+        return merge_extras_sums(parts)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -2,51 +2,33 @@
 
 No torch.distributed and no megatron here: cross-rank quantities come in as arguments (global
 counts, a `reduce_fn`), so every function is testable on one process. Variants are registered by
-name (`ADVANTAGE_ESTIMATORS`, `KL_ESTIMATORS`, `LOSS_AGG_MODES`) to match the config's choices.
+name (`ADVANTAGE_ESTIMATORS`, `KL_ESTIMATORS`, `LOSS_AGG_MODES`, `POLICY_LOSSES`); their names are
+listed torch-free in `rlstack.algorithms.names`, which the config's choices come from.
+
+Importing this package imports no torch: each name below loads its module on first use.
 """
 
-from rlstack.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantages,
-    gae,
-    group_stats,
-    grpo,
-    place_at_last_token,
-    register_advantage,
-    rloo,
-)
-from rlstack.algorithms.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    apply_kl_penalty,
-    build_kl_controller,
-    kl_estimate,
-    register_kl,
-)
-from rlstack.algorithms.losses import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    entropy_from_logits,
-    kl_loss,
-    policy_loss,
-    register_agg,
-    value_loss,
-)
-from rlstack.algorithms.masked import (
-    mask_counts,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    whiten_stats,
-)
+import importlib
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES",
-    "AdaptiveKLController", "FixedKLController", "KLController",
-    "agg_loss", "apply_kl_penalty", "build_kl_controller", "compute_advantages",
-    "entropy_from_logits", "gae", "group_stats", "grpo", "kl_estimate", "kl_loss", "mask_counts",
-    "masked_mean", "masked_sum", "masked_whiten", "place_at_last_token", "policy_loss",
-    "register_advantage", "register_agg", "register_kl", "rloo", "value_loss", "whiten_stats",
-]
+_EXPORTS = {
+    "advantages": ("ADVANTAGE_ESTIMATORS", "compute_advantages", "gae", "group_stats", "grpo",
+                   "place_at_last_token", "register_advantage", "reinforce_plus_plus",
+                   "reinforce_plus_plus_baseline", "rloo"),
+    "kl": ("KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "KLController",
+           "apply_kl_penalty", "build_kl_controller", "kl_estimate", "register_kl"),
+    "losses": ("LOSS_AGG_MODES", "POLICY_LOSSES", "agg_loss", "compute_policy_loss", "entropy_from_logits",
+               "gspo_policy_loss", "kl_loss", "policy_loss", "register_agg", "register_policy_loss",
+               "value_loss"),
+    "masked": ("mask_counts", "masked_mean", "masked_sum", "masked_whiten", "whiten_stats"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlstack.algorithms' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rlstack.algorithms.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (with a critic) and group baselines (GRPO, Dr.GRPO, RLOO).
+"""Advantage estimators: GAE (with a critic), group baselines (GRPO, Dr.GRPO, RLOO), REINFORCE++.
 
 Every estimator is registered by name in `ADVANTAGE_ESTIMATORS`; the trainer calls
 `compute_advantages(name, ...)`, which returns what the PPO update should use:
@@ -6,6 +6,10 @@ Every estimator is registered by name in `ADVANTAGE_ESTIMATORS`; the trainer cal
   (advantages + values) as the critic's regression target.
 - grpo / drgrpo / rloo: group-relative advantages, broadcast over the response; returns = advantages
   (there is no critic to train).
+- reinforce_plus_plus: discounted returns-to-go of the token rewards, whitened over the batch
+  (Hu 2025, arXiv:2501.03262); returns are the raw returns-to-go.
+- reinforce_plus_plus_baseline: sequence score minus its group mean (0 for a group of one), broadcast
+  over the response, then whitened over the batch; returns = advantages.
 Catalogue modelled on verl's trainer/ppo/core_algos.py; code written for this project.
 """
 
@@ -16,7 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from rlstack.algorithms.masked import ReduceFn, as_float_mask, masked_whiten
+from rlstack.algorithms import names
+from rlstack.algorithms.masked import ReduceFn, apply_mask, as_float_mask, masked_whiten
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -43,7 +48,7 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     For the PPO update use `masked_whiten(advantages, mask)` (what `compute_advantages` does).
     """
     _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
-    m = as_float_mask(mask, values)  # [B, T]
+    present = as_float_mask(mask, values) != 0  # [B, T]
     next_value = torch.zeros_like(values[:, 0])  # [B]
     last_gae = torch.zeros_like(values[:, 0])  # [B]
     advantages = torch.zeros_like(values)  # [B, T]
@@ -51,11 +56,57 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # [B]
         gae_t = delta + gamma * lam * last_gae  # [B]
         advantages[:, t] = gae_t
-        # Off the mask, carry the later step's value and advantage through unchanged.
-        next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
-        last_gae = m[:, t] * gae_t + (1 - m[:, t]) * last_gae
-    returns = (advantages + values) * m  # [B, T]
-    return advantages * m, returns
+        # Off the mask, carry the later step's value and advantage through unchanged (selected,
+        # not blended: a NaN value at a padded position must not leak into earlier tokens).
+        next_value = torch.where(present[:, t], values[:, t], next_value)
+        last_gae = torch.where(present[:, t], gae_t, last_gae)
+    returns = apply_mask(advantages + values, mask)  # [B, T]
+    return apply_mask(advantages, mask), returns
+
+
+# ----------------------------------------------------------------------------- REINFORCE++
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Returns-to-go G_t = r_t + gamma * G_{t+1} over the masked tokens of each row: [B, T] -> [B, T].
+
+    Unmasked positions are skipped (their rewards ignored, the later return carried through), so
+    G is 0 off the mask and a gap inside a response does not cut the sum.
+    """
+    _check_same_shape(token_rewards=token_rewards, mask=mask)
+    present = as_float_mask(mask, token_rewards) != 0  # [B, T]
+    running = torch.zeros_like(token_rewards[:, 0])  # [B]
+    returns = torch.zeros_like(token_rewards)  # [B, T]
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(present[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(present[:, t], running, torch.zeros_like(running))
+    return returns
+
+
+def reinforce_plus_plus(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0,
+                        reduce_fn: Optional[ReduceFn] = None) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (no critic, no group baseline): (whitened returns-to-go, returns-to-go).
+
+    The whitening over the whole batch (all data-parallel ranks through reduce_fn) is the baseline.
+    """
+    returns = discounted_returns(token_rewards, mask, gamma)  # [B, T]
+    return masked_whiten(returns, mask, reduce_fn=reduce_fn), returns
+
+
+def reinforce_plus_plus_baseline(scores: Tensor, group_ids: Tensor, mask: Tensor,
+                                 reduce_fn: Optional[ReduceFn] = None) -> Tensor:
+    """REINFORCE++ with the group mean as baseline: whiten(score - group mean) over the batch.
+
+    A prompt with a single sample has baseline 0 (as verl), so rollout.n = 1 works.
+    """
+    scores = _float_scores(scores, mask)
+    if group_ids.shape != scores.shape or group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer tensor of shape {tuple(scores.shape)}")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    size = counts.to(scores.dtype)  # [G]
+    mean = torch.zeros_like(size).index_add_(0, inverse, scores) / size  # [G]
+    baseline = torch.where(size > 1, mean, torch.zeros_like(mean))[inverse]  # [B]
+    return masked_whiten(_broadcast(scores - baseline, mask), mask, reduce_fn=reduce_fn)
 
 
 # ----------------------------------------------------------------------------- group baselines
@@ -143,6 +194,22 @@ def _rloo_estimator(*, mask, group_ids, **inputs):
     return adv, adv
 
 
+@register_advantage("reinforce_plus_plus")
+def _rfpp_estimator(*, token_rewards, mask, gamma, reduce_fn, **_):
+    _require("reinforce_plus_plus", token_rewards=token_rewards)
+    return reinforce_plus_plus(token_rewards, mask, gamma, reduce_fn=reduce_fn)
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def _rfpp_baseline_estimator(*, mask, group_ids, reduce_fn, **inputs):
+    scores = _sequence_scores("reinforce_plus_plus_baseline", mask=mask, group_ids=group_ids, **inputs)
+    adv = reinforce_plus_plus_baseline(scores, group_ids, mask, reduce_fn=reduce_fn)
+    return adv, adv
+
+
+names.check_registered("advantage estimator", ADVANTAGE_ESTIMATORS, names.ADVANTAGE_ESTIMATORS)
+
+
 def compute_advantages(name: str, *, mask: Tensor, token_rewards: Optional[Tensor] = None,
                        values: Optional[Tensor] = None, scores: Optional[Tensor] = None,
                        group_ids: Optional[Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
@@ -173,7 +240,7 @@ def _sequence_scores(name: str, *, token_rewards, scores, mask, group_ids, **_) 
     if scores is not None:
         return scores
     _check_same_shape(token_rewards=token_rewards, mask=mask)
-    return (token_rewards * as_float_mask(mask, token_rewards)).sum(-1)  # [B]
+    return apply_mask(token_rewards, mask).sum(-1)  # [B]
 
 
 def _float_scores(scores: Tensor, mask: Tensor) -> Tensor:
@@ -184,7 +251,7 @@ def _float_scores(scores: Tensor, mask: Tensor) -> Tensor:
 
 
 def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
-    return adv[:, None] * mask.to(device=adv.device, dtype=adv.dtype)  # [B] -> [B, T]
+    return apply_mask(adv[:, None].expand(mask.shape), mask.to(device=adv.device))  # [B] -> [B, T]
 
 
 def _float_dtype(x: Tensor) -> torch.dtype:

@@ -1,6 +1,10 @@
 """KL estimators between the policy and the reference, in-reward KL penalty, KL controllers.
 
-Estimators follow Schulman's "Approximating KL divergence" (k1, k2, k3) as verl's `kl_penalty`.
+Estimators follow Schulman's "Approximating KL divergence" (k1, k2, k3) as verl's `kl_penalty`,
+registered under verl's names too (kl = k1, mse = k2, low_var_kl = k3, abs) and with verl's "+"
+straight-through variants (the value of the estimate, the gradient of k2). verl's `full` (KL over the
+whole vocabulary) is not offered: it needs full logits, and verl 0.9.1 itself raises
+NotImplementedError for it.
 Controllers: fixed, and the adaptive one of Ziegler et al. 2019 (arXiv:1909.08593).
 """
 
@@ -11,7 +15,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rlstack.algorithms.masked import as_float_mask, masked_mean
+from rlstack.algorithms import names
+from rlstack.algorithms.masked import apply_mask, masked_mean
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: dict[str, KLFn] = {}
@@ -43,6 +48,40 @@ def _k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(min=-10.0, max=10.0)
 
 
+@register_kl("kl")
+def _kl(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return _k1(logprob, ref_logprob)
+
+
+@register_kl("mse")
+def _mse(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return _k2(logprob, ref_logprob)
+
+
+@register_kl("low_var_kl")
+def _low_var_kl(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return _k3(logprob, ref_logprob)
+
+
+@register_kl("abs")
+def _abs(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return (logprob - ref_logprob).abs()
+
+
+def _straight_through(base: KLFn) -> KLFn:
+    """Forward: base's estimate; backward: k2's gradient, (logp - ref) d logp (unbiased for KL)."""
+
+    def estimate(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+        k2 = _k2(logprob, ref_logprob)
+        return k2 - k2.detach() + base(logprob, ref_logprob).detach()
+    return estimate
+
+
+for _name in ("k1", "k3", "kl", "low_var_kl", "abs"):
+    register_kl(_name + "+")(_straight_through(KL_ESTIMATORS[_name]))
+names.check_registered("KL estimator", KL_ESTIMATORS, names.KL_ESTIMATORS)
+
+
 def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
     """Per-token KL(policy || reference) estimate, [B, T] -> [B, T]."""
     if kind not in KL_ESTIMATORS:
@@ -61,7 +100,7 @@ def apply_kl_penalty(token_scores: Tensor, logprob: Tensor, ref_logprob: Tensor,
     kl_mean (a 0-dim tensor) is the mean over sequences of each sequence's masked mean KL (as
     verl), the value to feed the KL controller's `update`.
     """
-    kl = kl_estimate(logprob, ref_logprob, kind) * as_float_mask(mask, logprob)  # [B, T]
+    kl = apply_mask(kl_estimate(logprob, ref_logprob, kind), mask)  # [B, T]
     token_rewards = token_scores - coef * kl  # [B, T]
     kl_mean = masked_mean(kl, mask, dim=-1).mean()
     return token_rewards, kl_mean

@@ -12,22 +12,23 @@ Without global counts, `agg_loss` normalises over the tensors it is given (a pla
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from rlstack.algorithms import names
 from rlstack.algorithms.kl import kl_estimate
-from rlstack.algorithms.masked import as_float_mask, masked_mean
+from rlstack.algorithms.masked import apply_mask, as_float_mask, masked_mean
 
-AggFn = Callable[[Tensor, Tensor, float, float], Tensor]
+AggFn = Callable[[Tensor, Tensor, Any, Any, Any], Tensor]
 LOSS_AGG_MODES: dict[str, AggFn] = {}
-# Which global count each mode divides by ("tokens" or "seqs").
+# Which global count each mode divides by ("tokens", "seqs" or "none").
 _AGG_COUNT: dict[str, str] = {}
 
 
 def register_agg(name: str, count: str) -> Callable[[AggFn], AggFn]:
-    assert count in ("tokens", "seqs")
+    assert count in ("tokens", "seqs", "none")
 
     def wrap(fn: AggFn) -> AggFn:
         assert name not in LOSS_AGG_MODES, f"loss aggregation {name} registered twice"
@@ -36,40 +37,67 @@ def register_agg(name: str, count: str) -> Callable[[AggFn], AggFn]:
     return wrap
 
 
+# Each mode gets the loss already masked (0 off the mask, selected with torch.where), the float
+# mask, the counts it divides by and the constant of seq-mean-token-sum-norm.
+
+
 @register_agg("token-mean", count="tokens")
-def _token_mean(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
-    return (loss_mat * m).sum() / num_tokens
+def _token_mean(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_factor) -> Tensor:
+    return xm.sum() / num_tokens
+
+
+@register_agg("token-sum", count="none")
+def _token_sum(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_factor) -> Tensor:
+    return xm.sum()  # no normalisation: the loss grows with the batch and the lengths
 
 
 @register_agg("seq-mean-token-sum", count="seqs")
-def _seq_mean_token_sum(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
-    return (loss_mat * m).sum(-1).sum() / num_seqs  # [B] -> scalar
+def _seq_mean_token_sum(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_factor) -> Tensor:
+    return xm.sum(-1).sum() / num_seqs  # [B] -> scalar
 
 
 @register_agg("seq-mean-token-mean", count="seqs")
-def _seq_mean_token_mean(loss_mat: Tensor, m: Tensor, num_tokens, num_seqs) -> Tensor:
-    seq_mean = (loss_mat * m).sum(-1) / m.sum(-1).clamp(min=1e-8)  # [B]; empty rows give 0
+def _seq_mean_token_mean(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_factor) -> Tensor:
+    seq_mean = xm.sum(-1) / m.sum(-1).clamp(min=1e-8)  # [B]; empty rows give 0
     return seq_mean.sum() / num_seqs
 
 
+@register_agg("seq-mean-token-sum-norm", count="seqs")
+def _seq_mean_token_sum_norm(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_factor) -> Tensor:
+    # Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): token sums divided by one constant (the
+    # generation budget), so a long response is not down-weighted per token as token means do.
+    if scale_factor is None or scale_factor <= 0:
+        raise ValueError("seq-mean-token-sum-norm divides by a constant length: pass "
+                         "loss_scale_factor (algorithm.loss_scale_factor or rollout.max_new_tokens)")
+    return xm.sum(-1).sum() / num_seqs / scale_factor
+
+
+names.check_registered("loss aggregation", LOSS_AGG_MODES, names.LOSS_AGG_MODES)
+
+
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_num_tokens: Optional[float] = None,
-             global_num_seqs: Optional[float] = None) -> Tensor:
+             global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None) -> Tensor:
     """Scalar loss from a per-token loss [B, T].
 
     token-mean: sum over masked tokens / number of tokens.
+    token-sum: sum over masked tokens.
     seq-mean-token-sum: sum over sequences of their token sums / number of sequences.
     seq-mean-token-mean: sum over sequences of their token means / number of sequences.
+    seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (a constant length).
     The counts are the global ones when given (see the module doc), else those of `mask`.
+    Positions off the mask are dropped with torch.where: a NaN or inf there changes nothing.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation {mode!r}: choose one of "
                          f"{', '.join(LOSS_AGG_MODES)}")
     m = as_float_mask(mask, loss_mat)  # [B, T]
     num_tokens, num_seqs = _counts(mode, m, global_num_tokens, global_num_seqs)
-    return LOSS_AGG_MODES[mode](loss_mat, m, num_tokens, num_seqs)
+    return LOSS_AGG_MODES[mode](apply_mask(loss_mat, m), m, num_tokens, num_seqs, loss_scale_factor)
 
 
 def _counts(mode: str, m: Tensor, global_num_tokens, global_num_seqs):
+    if _AGG_COUNT[mode] == "none":
+        return global_num_tokens, global_num_seqs
     needed = "global_num_tokens" if _AGG_COUNT[mode] == "tokens" else "global_num_seqs"
     given = {"global_num_tokens": global_num_tokens, "global_num_seqs": global_num_seqs}
     if given[needed] is None:
@@ -83,13 +111,32 @@ def _counts(mode: str, m: Tensor, global_num_tokens, global_num_seqs):
     return global_num_tokens, global_num_seqs
 
 
+def _on_mask(mask: Tensor, *tensors: Tensor) -> list[Tensor]:
+    """Each tensor with 0 off the mask (selected, so NaN/-inf there reach neither loss nor grad)."""
+    present = as_float_mask(mask, tensors[0]) != 0
+    return [torch.where(present, t, torch.zeros_like(t)) for t in tensors]
+
+
 # ----------------------------------------------------------------------------- policy
 
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        assert name not in POLICY_LOSSES, f"policy loss {name} registered twice"
+        POLICY_LOSSES[name] = fn
+        return fn
+    return wrap
+
+
+@register_policy_loss("vanilla")
 def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float, clip_high: float, clip_c: Optional[float] = 3.0,
                 agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
-                global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+                global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
+                ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with separate low/high clip ratios and dual clip (Ye et al. 2020).
 
     ratio = exp(logprob - old_logprob); per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low,
@@ -100,6 +147,7 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"dual-clip bound clip_c={clip_c} must be > 1: set "
                          "algorithm.clip_ratio_c above 1 (3.0 is usual)")
+    old_logprob, logprob, advantages = _on_mask(mask, old_logprob, logprob, advantages)
     # Clamped before exp as in verl: a stale old_logprob must not overflow the ratio.
     log_ratio = (logprob - old_logprob).clamp(min=-20.0, max=20.0)  # [B, T]
     ratio = torch.exp(log_ratio)
@@ -117,8 +165,48 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
         stats["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask)
     else:
         stats["dual_clip_frac"] = ratio.new_zeros(())
-    loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs)
+    loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+                     clip_low: float, clip_high: float, clip_c: Optional[float] = None,
+                     agg_mode: str = "seq-mean-token-mean", global_num_tokens: Optional[float] = None,
+                     global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): one importance ratio per sequence, clipped.
+
+    s_i = exp(mean over the response of (logprob - old_logprob)), the geometric mean of the token
+    ratios. Per token the ratio is sg[s_i] * p_t / sg[p_t]: its value is s_i, its gradient that of
+    s_i * log p_t, so every token of a sequence shares one clip decision. The log-ratio is capped at
+    10 before exp (as verl). The clip ranges are sequence-level and much tighter than PPO's (the
+    paper: 3e-4 / 4e-4). clip_c (dual clip) is not part of GSPO and is ignored. Stats as
+    policy_loss; approx_kl is token-level.
+    """
+    old_logprob, logprob, advantages = _on_mask(mask, old_logprob, logprob, advantages)
+    m = as_float_mask(mask, logprob)  # [B, T]
+    token_log_ratio = logprob - old_logprob  # [B, T], 0 off the mask
+    seq_log_ratio = apply_mask(token_log_ratio, m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
+    log_ratio = (logprob - logprob.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio  # [B, T]
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    stats = {"clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
+             "approx_kl": masked_mean(-token_log_ratio, mask), "dual_clip_frac": ratio.new_zeros(())}
+    loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+names.check_registered("policy loss", POLICY_LOSSES, names.POLICY_LOSSES)
+
+
+def compute_policy_loss(name: str, *args, **kwargs) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss registered as `name` (algorithm.policy_loss), same arguments as policy_loss."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}: choose one of {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- critic
@@ -126,24 +214,30 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                clip: Optional[float] = 0.2, agg_mode: str = "token-mean",
-               global_num_tokens: Optional[float] = None,
-               global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+               global_num_tokens: Optional[float] = None, global_num_seqs: Optional[float] = None,
+               loss_scale_factor: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """0.5 * max((v - R)^2, (clip(v, v_old - clip, v_old + clip) - R)^2), aggregated.
 
-    clip=None turns the value clip off. Stats: clip_frac (share of tokens where the clipped term
-    is the larger), values_mean (both detached local masked means).
+    clip=None turns the value clip off. Stats: clip_frac (share of tokens where v - v_old was
+    clipped AND the clipped term is the larger), values_mean (both detached local masked means).
+    A token counts as clipped from the clamp of v - v_old itself: v_old + clamp(v - v_old) can
+    differ from v in the last bit when nothing was clipped, which would count it by rounding.
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"value clip {clip} must be > 0: set algorithm.value_clip > 0")
+    values, old_values, returns = _on_mask(mask, values, old_values, returns)
     loss_unclipped = (values - returns) ** 2  # [B, T]
     if clip is None:
         loss_mat, clip_frac = loss_unclipped, values.new_zeros(())
     else:
-        values_clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+        delta = values - old_values  # [B, T]
+        delta_clipped = delta.clamp(-clip, clip)
+        was_clipped = delta_clipped != delta
+        values_clipped = torch.where(was_clipped, old_values + delta_clipped, values)  # exactly v if not
         loss_clipped = (values_clipped - returns) ** 2
         loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-        clip_frac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
-    loss = 0.5 * agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs)
+        clip_frac = masked_mean((was_clipped & (loss_clipped > loss_unclipped)).to(values.dtype), mask)
+    loss = 0.5 * agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     stats = {"clip_frac": clip_frac, "values_mean": masked_mean(values, mask)}
     return loss, {k: v.detach() for k, v in stats.items()}
 
@@ -153,10 +247,12 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 def kl_loss(logprob: Tensor, ref_logprob: Tensor, mask: Tensor, kind: str = "k3",
             agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
-            global_num_seqs: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+            global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
+            ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL(policy || reference) as a loss term (GRPO style); stats: kl (detached local mean)."""
+    logprob, ref_logprob = _on_mask(mask, logprob, ref_logprob)
     kl = kl_estimate(logprob, ref_logprob, kind)  # [B, T]
-    loss = agg_loss(kl, mask, agg_mode, global_num_tokens, global_num_seqs)
+    loss = agg_loss(kl, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     return loss, {"kl": masked_mean(kl, mask).detach()}
 
 
@@ -171,5 +267,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return log_z - (probs * logits).sum(-1)
 
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss", "entropy_from_logits", "kl_loss", "masked_mean",
-           "policy_loss", "register_agg", "value_loss"]
+__all__ = ["LOSS_AGG_MODES", "POLICY_LOSSES", "agg_loss", "compute_policy_loss", "entropy_from_logits",
+           "gspo_policy_loss", "kl_loss", "masked_mean", "policy_loss", "register_agg",
+           "register_policy_loss", "value_loss"]

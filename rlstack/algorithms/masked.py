@@ -24,15 +24,26 @@ def as_float_mask(mask: Tensor, like: Tensor) -> Tensor:
     return mask.to(device=like.device, dtype=like.dtype)
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+def apply_mask(x: Tensor, mask: Tensor) -> Tensor:
+    """x * mask on masked entries and exactly 0 elsewhere, [B, T] -> [B, T].
+
+    Selected with torch.where, not multiplied: a NaN or -inf at a padded position (a log-prob of a
+    pad token, a value past the response) times 0 is NaN, which would poison every sum over it.
+    """
     m = as_float_mask(mask, x)
-    return (x * m).sum() if dim is None else (x * m).sum(dim)
+    return torch.where(m != 0, x * m, torch.zeros_like(x))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    xm = apply_mask(x, mask)
+    return xm.sum() if dim is None else xm.sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Mean of `x` over masked entries (over `dim` only, when given); 0 where nothing is masked."""
     m = as_float_mask(mask, x)
-    num = (x * m).sum() if dim is None else (x * m).sum(dim)
+    xm = apply_mask(x, mask)
+    num = xm.sum() if dim is None else xm.sum(dim)
     den = m.sum() if dim is None else m.sum(dim)
     # An empty mask has num == 0: the clamp turns 0/0 into 0 instead of nan.
     return num / den.clamp(min=1e-8)
@@ -41,7 +52,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
 def whiten_stats(x: Tensor, mask: Tensor) -> Tensor:
     """[3] = (sum, sum of squares, count) of masked `x`; sums over ranks combine exactly."""
     m = as_float_mask(mask, x)
-    return torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()])
+    xm = apply_mask(x, mask)
+    return torch.stack([xm.sum(), (apply_mask(x, m != 0) * xm).sum(), m.sum()])
 
 
 def masked_whiten(x: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None,
@@ -64,7 +76,7 @@ def masked_whiten(x: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None,
     out = (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)
     if not shift_mean:
         out = out + mean.to(x.dtype)
-    return out * as_float_mask(mask, x)
+    return apply_mask(out, mask)
 
 
 def mask_counts(mask: Tensor) -> tuple[float, int]:

@@ -6,6 +6,7 @@ Every prompt is tokenised (with the model's chat template) and checked against
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ class PromptDataset:
     def __init__(self, rows: list[dict], tokenizer: Any, max_prompt_length: int,
                  truncation: str = "error", system_prompt: str = "", prompt_key: str = "prompt"):
         if truncation not in TRUNCATION:
-            raise ValueError(f"truncation {truncation!r} is unknown: set data.truncation to error or drop")
+            raise UserError(f"truncation {truncation!r} is unknown: set data.truncation to error or drop")
         self.max_prompt_length = max_prompt_length
         self.num_dropped = 0
         self.prompts: list[Prompt] = []
@@ -44,7 +45,7 @@ class PromptDataset:
             ids = _tokenize(tokenizer, _messages(row[prompt_key], system_prompt), origin)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
-                    raise ValueError(f"{origin}: prompt is {len(ids)} tokens after the chat template, over "
+                    raise UserError(f"{origin}: prompt is {len(ids)} tokens after the chat template, over "
                                      f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length "
                                      "or set data.truncation=drop")
                 self.num_dropped += 1
@@ -53,7 +54,7 @@ class PromptDataset:
                                        ground_truth=str(row["reward_model"]["ground_truth"]),
                                        extra_info=row["extra_info"]))
         if rows and not self.prompts:
-            raise ValueError(f"all {len(rows)} prompts are longer than data.max_prompt_length="
+            raise UserError(f"all {len(rows)} prompts are longer than data.max_prompt_length="
                              f"{max_prompt_length} tokens: raise data.max_prompt_length")
 
     def __len__(self) -> int:
@@ -76,14 +77,14 @@ def _messages(messages: list[dict], system_prompt: str) -> list[dict]:
 
 def _tokenize(tokenizer: Any, messages: list[dict], origin: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the model's tokenizer has no chat template (needed for {origin}): "
+        raise UserError(f"the model's tokenizer has no chat template (needed for {origin}): "
                          "use an instruct/chat model or add a chat_template to its tokenizer_config.json")
     try:
         # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
     except Exception as e:  # jinja2 errors raised by the template itself (e.g. role order rules)
-        raise ValueError(f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "
+        raise UserError(f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "
                          f"{e}): fix the row's messages to suit this model's template") from e
     return [int(i) for i in ids]
 
@@ -104,9 +105,9 @@ def build_datasets(data_cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Option
     elif data_cfg.synthetic:
         train_rows = _synthetic_rows(data_cfg, "train", data_cfg.synthetic_train_size)
         if not train_rows:
-            raise ValueError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
+            raise UserError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
     else:
-        raise ValueError("no training data: set data.train_files=[...] or data.synthetic=arith")
+        raise UserError("no training data: set data.train_files=[...] or data.synthetic=arith")
     if data_cfg.val_files:
         val_rows = load_rows(data_cfg.val_files, data_cfg.prompt_key)
     elif data_cfg.synthetic and not data_cfg.train_files:

@@ -9,6 +9,7 @@ is checked before anything trains, and the first problem is one `ValueError` nam
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import json
 import os
 from typing import Any, Iterable
@@ -36,9 +37,9 @@ def load_rows(paths: Iterable[str], prompt_key: str = "prompt") -> list[dict]:
         paths = [paths]
     rows: list[dict] = []
     for path in paths:
-        raw = _read_file(path)
+        raw = read_file(path)
         if not raw:
-            raise ValueError(f"data file {path} has no rows: point data.train_files/val_files at a non-empty file")
+            raise UserError(f"data file {path} has no rows: point data.train_files/val_files at a non-empty file")
         for index, item in enumerate(raw):
             origin = f"data file {path} row {index}"
             row = Row(validate_row(item, origin, prompt_key))
@@ -47,15 +48,15 @@ def load_rows(paths: Iterable[str], prompt_key: str = "prompt") -> list[dict]:
     return rows
 
 
-def _read_file(path: str) -> list[Any]:
+def read_file(path: str) -> list[Any]:
     if not os.path.isfile(path):
-        raise ValueError(f"data file {path} does not exist: fix the path in data.train_files/val_files")
+        raise UserError(f"data file {path} does not exist: fix the path in data.train_files/val_files")
     lower = path.lower()
     if lower.endswith(PARQUET_SUFFIXES):
         return _read_parquet(path)
     if lower.endswith(JSON_SUFFIXES):
         return _read_json(path)
-    raise ValueError(f"data file {path} has an unknown suffix: use .parquet, .jsonl or .json (JSON lines)")
+    raise UserError(f"data file {path} has an unknown suffix: use .parquet, .jsonl or .json (JSON lines)")
 
 
 def _read_parquet(path: str) -> list[Any]:
@@ -64,7 +65,7 @@ def _read_parquet(path: str) -> list[Any]:
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError subclasses for unreadable files
-        raise ValueError(f"data file {path} is not a readable parquet file ({_first_line(e)}): "
+        raise UserError(f"data file {path} is not a readable parquet file ({_first_line(e)}): "
                          "rewrite it with rlstack.data.rows.write_parquet or pandas.to_parquet") from e
     return table.to_pylist()
 
@@ -75,13 +76,13 @@ def _read_json(path: str) -> list[Any]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"data file {path} cannot be read as UTF-8 text ({_first_line(e)}): "
+        raise UserError(f"data file {path} cannot be read as UTF-8 text ({_first_line(e)}): "
                          "check the file and its permissions") from e
     if path.lower().endswith(".json") and text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"data file {path} is not valid JSON ({e.msg} at line {e.lineno}): "
+            raise UserError(f"data file {path} is not valid JSON ({e.msg} at line {e.lineno}): "
                              "fix the file or write one JSON object per line") from e
     rows = []
     for line_number, line in enumerate(text.splitlines(), start=1):
@@ -90,7 +91,7 @@ def _read_json(path: str) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise ValueError(f"data file {path} row {len(rows)} (line {line_number}) is not valid JSON "
+            raise UserError(f"data file {path} row {len(rows)} (line {line_number}) is not valid JSON "
                              f"({e.msg}): write one JSON object per line") from e
     return rows
 
@@ -106,11 +107,11 @@ def _first_line(e: BaseException) -> str:
 def validate_row(item: Any, origin: str, prompt_key: str = "prompt") -> dict:
     """`item` checked against verl's schema; optional fields filled. `origin` prefixes errors."""
     if not isinstance(item, dict):
-        raise ValueError(f"{origin}: a row must be a JSON object/record, got {type(item).__name__}: "
+        raise UserError(f"{origin}: a row must be a JSON object/record, got {type(item).__name__}: "
                          "write one verl-schema object per row")
     for column in (*REQUIRED_COLUMNS, prompt_key):
         if column not in item:
-            raise ValueError(f"{origin}: missing column '{column}': every row needs data_source, "
+            raise UserError(f"{origin}: missing column '{column}': every row needs data_source, "
                              f"{prompt_key}, reward_model (set data.prompt_key if the prompt column has another name)")
     row = dict(item)
     _check_data_source(row["data_source"], origin)
@@ -122,43 +123,43 @@ def validate_row(item: Any, origin: str, prompt_key: str = "prompt") -> dict:
     if row.get("extra_info") is None:
         row["extra_info"] = {}  # parquet stores an all-empty extra_info column as nulls
     if not isinstance(row["extra_info"], dict):
-        raise ValueError(f"{origin}: 'extra_info' must be a mapping, got {type(row['extra_info']).__name__}: "
+        raise UserError(f"{origin}: 'extra_info' must be a mapping, got {type(row['extra_info']).__name__}: "
                          "store extra fields as an object")
     return row
 
 
 def _check_data_source(value: Any, origin: str) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{origin}: 'data_source' must be a non-empty string, got {value!r}: "
+        raise UserError(f"{origin}: 'data_source' must be a non-empty string, got {value!r}: "
                          "name the dataset (it selects the reward scorer), e.g. 'openai/gsm8k'")
 
 
 def _check_messages(messages: Any, origin: str, prompt_key: str) -> None:
     fix = f"'{prompt_key}' must be a non-empty list of chat messages like [{{'role': 'user', 'content': '...'}}]"
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
-        raise ValueError(f"{origin}: malformed prompt {_short(messages)}: {fix}")
+        raise UserError(f"{origin}: malformed prompt {_short(messages)}: {fix}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"{origin}: malformed prompt, message {i} is {_short(message)}: {fix}")
+            raise UserError(f"{origin}: malformed prompt, message {i} is {_short(message)}: {fix}")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise ValueError(f"{origin}: malformed prompt, message {i} has role {role!r}: "
+            raise UserError(f"{origin}: malformed prompt, message {i} has role {role!r}: "
                              f"use one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise ValueError(f"{origin}: malformed prompt, message {i} has content {_short(content)}: "
+            raise UserError(f"{origin}: malformed prompt, message {i} has content {_short(content)}: "
                              "each message needs a string 'content'")
 
 
 def _check_reward_model(value: Any, origin: str) -> None:
     if not isinstance(value, dict) or "ground_truth" not in value:
-        raise ValueError(f"{origin}: 'reward_model' must be a mapping with 'ground_truth' (and 'style'), "
+        raise UserError(f"{origin}: 'reward_model' must be a mapping with 'ground_truth' (and 'style'), "
                          f"got {_short(value)}: add reward_model={{'style': 'rule', 'ground_truth': ...}}")
     truth = value["ground_truth"]
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
-        raise ValueError(f"{origin}: 'reward_model.ground_truth' must be a string or number, got "
+        raise UserError(f"{origin}: 'reward_model.ground_truth' must be a string or number, got "
                          f"{_short(truth)}: store the reference answer as text")
     if str(truth).strip() == "":
-        raise ValueError(f"{origin}: 'reward_model.ground_truth' is empty: give every row its reference "
+        raise UserError(f"{origin}: 'reward_model.ground_truth' is empty: give every row its reference "
                          "answer, or remove the row")
 
 
@@ -181,7 +182,7 @@ def write_parquet(rows: list[dict], path: str) -> None:
     try:
         table = pa.Table.from_pylist(plain)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ValueError(f"cannot write rows to {path} as parquet ({_first_line(e)}): give each column "
+        raise UserError(f"cannot write rows to {path} as parquet ({_first_line(e)}): give each column "
                          "one type in every row, or use write_jsonl") from e
     _make_parent(path)
     pq.write_table(table, path)

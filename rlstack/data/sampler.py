@@ -10,6 +10,7 @@ a sampler loaded from `state_dict()` continues with exactly the batches the orig
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import numpy as np
 
 
@@ -17,10 +18,10 @@ class PromptSampler:
     def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True,
                  dp_rank: int = 0, dp_size: int = 1):
         if batch_size < 1 or batch_size % dp_size != 0:
-            raise ValueError(f"data.train_batch_size={batch_size} must be a positive multiple of the "
+            raise UserError(f"data.train_batch_size={batch_size} must be a positive multiple of the "
                              f"data-parallel size {dp_size}: set data.train_batch_size to a multiple of {dp_size}")
         if num_items < batch_size:
-            raise ValueError(f"the dataset has {num_items} prompts, fewer than data.train_batch_size="
+            raise UserError(f"the dataset has {num_items} prompts, fewer than data.train_batch_size="
                              f"{batch_size}: lower data.train_batch_size or add prompts")
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
@@ -62,7 +63,7 @@ class PromptSampler:
         """Continue from `state`; the batch size and DP size may differ, the data and seed may not."""
         for key in ("num_items", "seed", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the checkpoint's data sampler had {key}={state[key]!r}, this run has "
+                raise UserError(f"the checkpoint's data sampler had {key}={state[key]!r}, this run has "
                                  f"{getattr(self, key)!r}: resume with the same data and data.seed/shuffle, "
                                  "or start a fresh run (checkpoint.resume=never)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
@@ -77,7 +78,7 @@ def val_batches(num_items: int, batch_size: int, dp_rank: int = 0, dp_size: int 
     each global batch, split as evenly as possible.
     """
     if batch_size < 1:
-        raise ValueError(f"data.val_batch_size={batch_size}: set it to at least 1")
+        raise UserError(f"data.val_batch_size={batch_size}: set it to at least 1")
     assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
     batches = []
     for start in range(0, num_items, batch_size):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import hashlib
 import random
 from typing import Callable
@@ -39,7 +40,7 @@ SUB_TEMPLATES = (
 
 def _rng(task: str, seed: int, split: str) -> random.Random:
     if split not in SPLITS:
-        raise ValueError(f"synthetic split {split!r} is unknown: use one of {', '.join(SPLITS)}")
+        raise UserError(f"synthetic split {split!r} is unknown: use one of {', '.join(SPLITS)}")
     return random.Random(f"{task}:{split}:{seed}")  # string seeds hash with sha512: stable everywhere
 
 
@@ -71,7 +72,7 @@ def _arith_problem(rng: random.Random, max_operand: int) -> tuple[str, str, int]
 def make_arith_rows(n: int, seed: int = 0, split: str = "train", max_operand: int = 20) -> list[dict]:
     """`n` arithmetic word problems of `split`, data_source "arith", ground truth the integer."""
     if max_operand < 1:
-        raise ValueError(f"synthetic max_operand is {max_operand}: set data.synthetic_max_operand >= 1")
+        raise UserError(f"synthetic max_operand is {max_operand}: set data.synthetic_max_operand >= 1")
     rng = _rng("arith", seed, split)
     rows = []
     while len(rows) < n:
@@ -114,8 +115,8 @@ SYNTHETIC_TASKS: dict[str, Callable[..., list[dict]]] = {
 def make_rows(task: str, n: int, seed: int, split: str, max_operand: int) -> list[dict]:
     """Rows of the synthetic task `task`; an unknown name raises naming the choices."""
     if task not in SYNTHETIC_TASKS:
-        raise ValueError(f"synthetic task {task!r} is unknown: set data.synthetic to one of "
+        raise UserError(f"synthetic task {task!r} is unknown: set data.synthetic to one of "
                          f"{', '.join(SYNTHETIC_TASKS)}")
     if n < 0:
-        raise ValueError(f"synthetic size {n} is negative: set data.synthetic_train_size/val_size >= 0")
+        raise UserError(f"synthetic size {n} is negative: set data.synthetic_train_size/val_size >= 0")
     return SYNTHETIC_TASKS[task](n, seed, split, max_operand)

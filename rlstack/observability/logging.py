@@ -8,6 +8,7 @@ Loggers named "rlstack.*" (e.g. "rlstack.monitor") go through the same handlers.
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ import time
 from typing import Callable, Optional, TypeVar
 
 LOGGER_NAME = "rlstack"
+BRIDGE_LOGGER_NAME = "megatron_bridge"
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 FILE_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
@@ -85,27 +87,34 @@ def setup_logging(output_dir: Optional[str], rank: int, level: str = "INFO") -> 
     output_dir None: console only (rank 0), no files.
     """
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueError(f"logging level {level!r} is unknown: use DEBUG, INFO, WARNING or ERROR")
+        raise UserError(f"logging level {level!r} is unknown: use DEBUG, INFO, WARNING or ERROR")
     log = logging.getLogger(LOGGER_NAME)
-    for handler in list(log.handlers):
-        if getattr(handler, "_rlstack", False):
-            log.removeHandler(handler)
-            handler.close()
-    log.setLevel(level)
-    # Our handlers are the only output: a library calling logging.basicConfig() on the root
-    # logger must not duplicate every line.
-    log.propagate = False
+    # The bridge logs under its own name (it never imports rlstack); its records share our handlers.
+    loggers = (log, logging.getLogger(BRIDGE_LOGGER_NAME))
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if getattr(handler, "_rlstack", False):
+                logger.removeHandler(handler)
+                handler.close()
+        logger.setLevel(level)
+        # Our handlers are the only output: a library calling logging.basicConfig() on the root
+        # logger must not duplicate every line.
+        logger.propagate = False
     _state["rank"] = rank
+    handlers = []
     if rank == 0:
         console = _ConsoleHandler()
         console.setFormatter(logging.Formatter(CONSOLE_FORMAT, DATE_FORMAT))
-        _add(log, console, rank)
+        handlers.append(console)
     if output_dir is not None:
         log_dir = os.path.join(output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
         file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
-        _add(log, file_handler, rank)
+        handlers.append(file_handler)
+    for logger in loggers:
+        for handler in handlers:
+            _add(logger, handler, rank)
     return log
 
 
@@ -141,33 +150,52 @@ def format_step_line(step: int, metrics: dict) -> str:
     return " | ".join(parts)
 
 
+BUG_REPORT = "this is a bug in rlstack, not a mistake in your input: please report it with the traceback above"
+
+
 def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None,
                      other_rank_exit_delay_s: float = 2.0) -> T:
-    """Run fn(); a ValueError (a user mistake) becomes one console line and exit status 2.
+    """Run fn(); tell a user's mistake (one line, exit 2) from a bug (its traceback once, exit 1).
 
-    ValueError: rank 0 prints `error: <message>` to stderr, other ranks print nothing; every rank
-    writes the traceback to its log file (when setup_logging gave it one); SystemExit(2).
-    Any other exception: logged at ERROR with traceback to the log file, then re-raised, so Python
-    prints the traceback and exits 1 (a bug deserves its trace).
+    A user error (`rlstack.errors.UserError` / the bridge's `InputError`): rank 0 prints
+    `error: <message>` to stderr, other ranks print nothing; every rank writes the traceback to its
+    log file. When the error was raised from the user's own code (a reward function that raised:
+    `raise UserError(...) from e`), rank 0 shows that code's traceback once above the line.
+    Anything else is a bug: rank 0 prints the traceback and says it is a bug; other ranks print one
+    line pointing at their log; every rank writes the traceback to its log file; exit status 1.
 
     Other ranks wait `other_rank_exit_delay_s` before exiting: torchrun SIGTERMs the survivors as
     soon as one rank exits, and a config error hits every rank at once, so without the wait rank 1
     can exit first and get rank 0 killed before it prints the line.
     """
+    from rlstack.errors import USER_ERRORS
+
     log = log or logging.getLogger(LOGGER_NAME)
     try:
         return fn()
-    except ValueError as e:
+    except USER_ERRORS as e:
         if log_file_path(log) is not None:
             log.error("user error: %s", e, exc_info=True, extra={FILE_ONLY: True})
         if rank == 0:
+            if e.__cause__ is not None and not isinstance(e.__cause__, USER_ERRORS):
+                _write_console(_traceback_text(e.__cause__), sys.stderr)
             _write_console(f"error: {e}", sys.stderr)
         else:
             time.sleep(other_rank_exit_delay_s)
         raise SystemExit(2) from None
     except Exception as e:
-        if log_file_path(log) is not None:
-            log.error("unrecoverable error: %s: %s", type(e).__name__, e, exc_info=True,
-                      extra={FILE_ONLY: True})
-        raise
+        where = log_file_path(log)
+        if where is not None:
+            log.error("internal error (bug): %s: %s", type(e).__name__, e, exc_info=True, extra={FILE_ONLY: True})
+        if rank == 0:
+            _write_console(_traceback_text(e) + f"error: {type(e).__name__}: {e}\nerror: {BUG_REPORT}", sys.stderr)
+        else:
+            _write_console(f"error: rank {rank}: {type(e).__name__}: {e} ({BUG_REPORT.split(':')[0]}; "
+                           f"traceback in {where or 'this rank stderr'})", sys.stderr)
+        raise SystemExit(1) from None
 
+
+def _traceback_text(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))

@@ -7,6 +7,7 @@ fraction (again only after usage has dropped below it and crossed once more).
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import logging
 import os
 import sys
@@ -92,7 +93,7 @@ class ResourceMonitor:
     def __init__(self, warn_fraction: float = 0.85, logger: Optional[logging.Logger] = None,
                  total_bytes: Optional[int] = None, log_samples: bool = True):
         if not 0.0 < warn_fraction <= 1.0:
-            raise ValueError(f"logging.memory_warn_fraction is {warn_fraction}: use a fraction in (0, 1]")
+            raise UserError(f"logging.memory_warn_fraction is {warn_fraction}: use a fraction in (0, 1]")
         self.warn_fraction = warn_fraction
         self.logger = logger or logging.getLogger(LOGGER_NAME + ".monitor")
         self.total_bytes = total_bytes or memory_limit_bytes()

@@ -1,21 +1,28 @@
 """Metric trackers behind one small interface: `log(metrics, step)` and `close()`.
 
 Rank 0 writes; the other ranks get a no-op tracker. `metrics.jsonl` is always written, because
-`python -m rlstack.plot` and resumed runs read it. TensorBoard and Weights & Biases are imported
-only when asked for.
+`python -m rlstack.plot` and resumed runs read it. TensorBoard, Weights & Biases and MLflow are
+imported only when asked for.
+
+W&B and MLflow continue the same run after a restart: the run id is stored in the output directory
+(`wandb_run_id`, `mlflow_run_id`) when the run starts and read back by the next start there (pass
+resume=False, or delete the file, for a new run in the same directory).
 """
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 import json
 import logging
 import math
 import os
+import uuid
 from typing import Any, Optional
 
+from rlstack.errors import UserError
 from rlstack.observability.logging import LOGGER_NAME, format_step_line
 
-TRACKER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+TRACKER_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -99,24 +106,110 @@ class TensorBoardTracker(Tracker):
         self._writer.close()
 
 
+def _read_run_id(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_run_id(path: str, run_id: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)  # atomic: a kill never leaves half an id
+
+
 class WandbTracker(Tracker):
-    """Weights & Biases run; only when installed and listed in logging.trackers."""
+    """Weights & Biases run; only when installed and listed in logging.trackers.
+
+    The run id lives in `<output_dir>/wandb_run_id`: a restarted run in the same directory calls
+    `wandb.init(id=<that id>, resume="allow")` and its steps continue the same W&B run.
+    """
+
+    ID_FILE = "wandb_run_id"
 
     def __init__(self, project: str, run_name: str = "", config_dict: Optional[dict] = None,
-                 output_dir: Optional[str] = None):
+                 output_dir: Optional[str] = None, resume: bool = True):
         try:
             import wandb
         except ImportError:
-            raise ValueError("logging.trackers lists 'wandb' but wandb is not installed: "
-                             "pip install wandb, or remove wandb from logging.trackers") from None
+            raise UserError("logging.trackers lists 'wandb' but wandb is not installed: "
+                            "pip install wandb, or remove wandb from logging.trackers") from None
+        id_path = os.path.join(output_dir or ".", self.ID_FILE)
+        run_id = _read_run_id(id_path) if resume else None
+        self.resumed = run_id is not None
+        if run_id is None:
+            run_id = uuid.uuid4().hex[:16]  # W&B ids: letters and digits, <= 64 characters
+        _write_run_id(id_path, run_id)
+        self.run_id = run_id
         self._run = wandb.init(project=project, name=run_name or None, config=config_dict,
-                               dir=output_dir)
+                               dir=output_dir, id=run_id, resume="allow")
 
     def log(self, metrics: dict, step: int) -> None:
         self._run.log(scalar_metrics(metrics), step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run (only when mlflow is installed): numeric metrics per step, the config as params.
+
+    Tracking URI: MLFLOW_TRACKING_URI when set, else `<output_dir>/mlruns` (a local file store).
+    Experiment: logging.project. The run id lives in `<output_dir>/mlflow_run_id`; a restart
+    continues that run (`mlflow.start_run(run_id=...)`).
+    """
+
+    ID_FILE = "mlflow_run_id"
+    MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
+
+    def __init__(self, project: str, run_name: str = "", config_dict: Optional[dict] = None,
+                 output_dir: Optional[str] = None, resume: bool = True):
+        try:
+            import mlflow
+        except ImportError:
+            raise UserError("logging.trackers lists 'mlflow' but mlflow is not installed: "
+                            "pip install mlflow, or remove mlflow from logging.trackers") from None
+        self._mlflow = mlflow
+        out = output_dir or "."
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(out, "mlruns")))
+        mlflow.set_experiment(project)
+        id_path = os.path.join(out, self.ID_FILE)
+        run_id = _read_run_id(id_path) if resume else None
+        self.resumed = run_id is not None
+        if self.resumed:
+            self._run = mlflow.start_run(run_id=run_id)
+        else:
+            self._run = mlflow.start_run(run_name=run_name or None)
+            if config_dict:
+                mlflow.log_params(_flat_params(config_dict, self.MAX_PARAM_CHARS))
+        self.run_id = self._run.info.run_id
+        _write_run_id(id_path, self.run_id)
+
+    def log(self, metrics: dict, step: int) -> None:
+        numeric = {k: float(v) for k, v in scalar_metrics(metrics).items()
+                   if isinstance(v, (bool, int, float)) and k != "step"}
+        if numeric:
+            self._mlflow.log_metrics(numeric, step=int(step))
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flat_params(tree: dict, max_chars: int, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"}, values as strings cut to max_chars."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat_params(value, max_chars, name + "."))
+        else:
+            out[name] = str(value)[:max_chars]
+    return out
 
 
 class MultiTracker(Tracker):
@@ -135,11 +228,14 @@ class MultiTracker(Tracker):
 
 
 def build_trackers(names: list[str], output_dir: str, rank: int, config_dict: Optional[dict] = None,
-                   project: str = "rlstack", run_name: str = "") -> MultiTracker:
-    """Trackers named in logging.trackers (jsonl always on) on rank 0; a no-op elsewhere."""
+                   project: str = "rlstack", run_name: str = "", resume: bool = True) -> MultiTracker:
+    """Trackers named in logging.trackers (jsonl always on) on rank 0; a no-op elsewhere.
+
+    resume: W&B and MLflow continue the run whose id is stored in output_dir (False: a new run).
+    """
     unknown = [n for n in names if n not in TRACKER_NAMES]
     if unknown:
-        raise ValueError(f"logging.trackers has unknown tracker {unknown[0]!r}: "
+        raise UserError(f"logging.trackers has unknown tracker {unknown[0]!r}: "
                          f"use {', '.join(TRACKER_NAMES)}")
     if rank != 0:
         return MultiTracker([])
@@ -151,7 +247,9 @@ def build_trackers(names: list[str], output_dir: str, rank: int, config_dict: Op
         if "tensorboard" in names:
             trackers.append(TensorBoardTracker(os.path.join(output_dir, TENSORBOARD_DIR)))
         if "wandb" in names:
-            trackers.append(WandbTracker(project, run_name, config_dict, output_dir))
+            trackers.append(WandbTracker(project, run_name, config_dict, output_dir, resume=resume))
+        if "mlflow" in names:
+            trackers.append(MlflowTracker(project, run_name, config_dict, output_dir, resume=resume))
     except BaseException:
         MultiTracker(trackers).close()  # e.g. wandb missing: do not leak the open files
         raise

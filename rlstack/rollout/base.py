@@ -13,6 +13,7 @@ over the kept tokens: the two agree unless top-k or top-p is active.
 
 from __future__ import annotations
 
+from rlstack.errors import UserError
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # keep `import rlstack.rollout.base` free of torch
     import torch
 
     from rlstack.config import RolloutConfig
-    from rlstack.parallel import ParallelGroups
+    from megatron_bridge.parallel import ParallelGroups
 
 ENGINES = ("hf", "vllm")
 
@@ -100,10 +101,13 @@ def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGro
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
     """
+    from rlstack.rollout.sync_check import check_settings
+
+    check_settings(rollout_cfg)
     if rollout_cfg.engine not in ENGINES:
-        raise ValueError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
+        raise UserError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
     if groups.dims.world_size % rollout_cfg.tp:
-        raise ValueError(
+        raise UserError(
             f"rollout.tp={rollout_cfg.tp} must divide the world size {groups.dims.world_size}: "
             f"choose rollout.tp from the divisors of the number of processes"
         )
@@ -111,7 +115,7 @@ def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGro
         from rlstack.rollout.hf_engine import HFEngine
 
         if rollout_cfg.tp != 1:
-            raise ValueError(f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
+            raise UserError(f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
                              f"(got {rollout_cfg.tp}) or use rollout.engine=vllm")
         return HFEngine(hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id,
                         seed=rollout_seed(rollout_cfg, groups))

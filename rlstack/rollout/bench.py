@@ -115,7 +115,7 @@ def bench_sync(opts, hf_dir: str, groups) -> None:
 def main(argv=None) -> int:
     opts = _parser().parse_args(argv)
     from megatron_bridge.hf import resolve_model_path
-    from rlstack.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     _set_threads(opts)
     hf_dir = resolve_model_path(opts.hf)

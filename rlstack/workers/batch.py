@@ -15,8 +15,10 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     exact; padding rows (to fill the last micro-batch) have an all-zero mask and change nothing.
     """
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
-    seq_len = max(lengths)
-    rows = -(-len(lengths) // multiple_of) * multiple_of
+    seq_len = max(lengths, default=1)
+    # A rank without sequences (fewer prompts than data-parallel ranks) still runs one all-padding
+    # micro-batch: it must join the gradient all-reduce, and its zero mask adds nothing.
+    rows = max(1, -(-len(lengths) // multiple_of)) * multiple_of
     tokens = torch.full((rows, seq_len), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((rows, seq_len), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from rlstack import collectives
-from rlstack.parallel import ParallelGroups
+from megatron_bridge.parallel import ParallelGroups
 
 
 @dataclass
@@ -27,6 +27,65 @@ class OptimSettings:
     use_distributed_optimizer: bool = False
     optimizer: str = "adam"  # adam | sgd
     adam_eps: float = 1e-8
+    # Learning-rate schedule, in trainer steps (LRSchedule.step() once per step, as verl steps its
+    # scheduler once per training step): linear warm-up from 0, then constant or cosine to min_lr.
+    lr_schedule: str = "constant"  # constant | cosine
+    lr_warmup_steps: int = 0
+    total_steps: int = 1  # the cosine reaches min_lr here
+    min_lr_ratio: float = 0.0  # min_lr = min_lr_ratio x lr
+
+
+def warmup_steps(steps: int, ratio: float, total_steps: int) -> int:
+    """Warm-up length: `steps` when > 0, else int(ratio x total_steps) (verl's lr_warmup_steps_ratio)."""
+    return int(steps) if steps > 0 else int(ratio * total_steps)
+
+
+class LRSchedule:
+    """megatron-core's OptimizerParamScheduler over one role's optimizer, counted in trainer steps.
+
+    Step k (0-based) trains with lr(k): warm-up `lr * k / W` for k <= W, then `lr` (constant) or
+    `min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * (k - W) / (total - W)))` (cosine), min_lr after
+    `total`. That is verl's schedule (zero-indexed LambdaLR with num_cycles 0.5) step for step.
+    `state_dict()` / `load_state_dict()` carry the position; on load the schedule's shape comes
+    from this run's config (a resumed run may change it), only the step count from the checkpoint.
+    """
+
+    def __init__(self, optimizer, settings: OptimSettings):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if settings.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr schedule {settings.lr_schedule!r} is unknown: use constant or cosine")
+        warmup = max(0, int(settings.lr_warmup_steps))
+        min_lr = settings.lr * settings.min_lr_ratio if settings.lr_schedule == "cosine" else settings.lr
+        self.scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=min_lr, lr_warmup_steps=warmup,
+            # megatron asserts warmup < decay steps; a warm-up as long as the run never decays.
+            lr_decay_steps=max(int(settings.total_steps), warmup + 1), lr_decay_style=settings.lr_schedule,
+            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+        )
+
+    @property
+    def num_steps(self) -> int:
+        return self.scheduler.num_steps
+
+    @property
+    def lr(self) -> float:
+        """The lr the next optimizer step uses (of the default parameter group)."""
+        return float(self.scheduler.optimizer.param_groups[0]["lr"])
+
+    def step(self, increment: int = 1) -> float:
+        """After a trainer step: move to the next step's lr; returns it."""
+        self.scheduler.step(increment)
+        return self.lr
+
+    def state_dict(self) -> dict:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.num_steps = 0
+        self.scheduler.step(int(state["num_steps"]))
 
 
 class MegatronRole:
@@ -40,17 +99,18 @@ class MegatronRole:
         model, self.args = build_megatron_from_hf(hf_dir, groups, dtype=dtype, value_head=value_head,
                                                   recompute=recompute)
         if value_head and groups.is_last_stage:
-            from rlstack.models import init_value_head_
+            from megatron_bridge.models import init_value_head_
 
             init_value_head_(model.output_layer, seed=value_head_seed)
         self.config = model.config
         self.optimizer = None
+        self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step
         if optim is None:
             model.requires_grad_(False)
             model.eval()
             self.model = model
         else:
-            self.model, self.optimizer = _wrap_for_training(model, self.config, optim)
+            self.model, self.optimizer, self.lr_schedule = _wrap_for_training(model, self.config, optim)
         self.padded_vocab = self.args.padded_vocab_size(groups.dims.tp)
 
     @property
@@ -76,16 +136,20 @@ class MegatronRole:
             )
 
     def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> tuple[list[dict], float]:
-        """Zero grads, forward/backward every micro-batch, one optimizer step. Returns (stats, grad norm)."""
+        """Zero grads, forward/backward every micro-batch, one optimizer step. Returns (stats, grad norm).
+
+        A non-finite global gradient norm skips the step (no weight changes) and is returned as is:
+        the caller decides whether the run stops (rlstack.workers.finite).
+        """
+        from rlstack.workers.finite import step_unless_nonfinite
+
         assert self.optimizer is not None, "reference roles are frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self.run(micro_batches, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: gradients hold inf/nan")
-        return stats, float(grad_norm or 0.0)
+        _, grad_norm = step_unless_nonfinite(self.optimizer)
+        return stats, grad_norm
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
         """Last pipeline stage's tensor on every stage of this pipeline."""
@@ -121,16 +185,17 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
+    min_lr = optim.lr * optim.min_lr_ratio if optim.lr_schedule == "cosine" else optim.lr
     opt_config = OptimizerConfig(
-        optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+        # lr / min_lr become each parameter group's max_lr / min_lr, which the scheduler reads.
+        optimizer=optim.optimizer, lr=optim.lr, min_lr=min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
         bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
-    for group in optimizer.param_groups:
-        group["lr"] = optim.lr  # constant LR; megatron's scheduler would otherwise set it per step
-    return ddp, optimizer
+    schedule = LRSchedule(optimizer, optim)  # sets every group's lr for step 0
+    return ddp, optimizer, schedule
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:

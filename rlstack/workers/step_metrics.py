@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlstack import collectives
-from rlstack.parallel import ParallelGroups
+from megatron_bridge.parallel import ParallelGroups
 
 # `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
 # normalised by the global counts, so their sum over micro-batches and DP ranks is the mini-batch loss.

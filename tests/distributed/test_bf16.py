@@ -13,7 +13,7 @@ from tests.dist_utils import run_distributed
 
 
 def _bf16_step(hf_dir: str, tp: int, use_dist_opt: bool) -> dict:
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
     from rlstack.workers.actor import token_logprobs
     from rlstack.workers.megatron_role import MegatronRole, OptimSettings, split_micro_batches
 

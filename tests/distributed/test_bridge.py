@@ -50,7 +50,7 @@ def _logits_worker(cases, input_ids):
 
     from megatron_bridge.hf import build_megatron_from_hf
     from megatron_bridge.verify import megatron_logits
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     out = []
     for hf_dir, tp, pp in cases:
@@ -84,7 +84,7 @@ def _round_trip_worker(hf_dir, out_dir, tp, pp):
     from unittest import mock
 
     from megatron_bridge.hf import SafetensorsReader, build_megatron_from_hf, gather_hf_state_dict, save_hf
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(tp, pp)
     read, counted = SafetensorsReader.read, []
@@ -219,7 +219,7 @@ def test_unused_tensors_are_rejected(tiny_llama, tmp_path):
                                           (4, "does not divide the model's 2 key/value heads")])
 def test_tp_must_divide_heads_and_query_groups(tiny_llama, tp, message):
     from megatron_bridge.hf import check_layout, read_model_args
-    from rlstack.parallel import ParallelDims
+    from megatron_bridge.parallel import ParallelDims
 
     with pytest.raises(ValueError, match=message):
         check_layout(read_model_args(tiny_llama), ParallelDims.resolve(tp, 1, 1, tp))

@@ -209,7 +209,7 @@ def _save_then_resume(hf_dir, out_dir, tp, dist_opt):
     import torch
 
     from rlstack.checkpoint import Checkpointer
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(tp, 1, backend="gloo")
     cfg = _config(out_dir, save_every=2, keep_last=1)
@@ -253,7 +253,7 @@ def test_resume_is_exact(tiny_llama, tmp_path, tp, dist_opt):
 
 def _save_tp1(hf_dir, out_dir):
     from rlstack.checkpoint import Checkpointer
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(1, 1, backend="gloo")
     trainer = _trainer(hf_dir, groups)
@@ -265,7 +265,7 @@ def _save_tp1(hf_dir, out_dir):
 def _resume_resave_compare(hf_dir, saved, out_dir, tp, pp):
     """Resume `saved` at TP x PP, save again, and return the keys whose full tensors differ."""
     from rlstack.checkpoint import Checkpointer
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(tp, pp, backend="gloo")
     trainer = _trainer(hf_dir, groups, seed=7)
@@ -337,7 +337,7 @@ def _train_save_forward(hf_dir, out_dir):
     import torch.distributed as dist
 
     from rlstack.checkpoint import Checkpointer
-    from rlstack.parallel import init_distributed
+    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(2, 1, backend="gloo")
     trainer = _trainer(hf_dir, groups)

@@ -9,6 +9,7 @@ from tests.e2e.runs import NUMERIC_KEYS, ROOT, read_metrics, torchrun_train, tra
 
 pytestmark = pytest.mark.slow
 GOLDEN = os.path.join(ROOT, "tests", "assets", "golden_tiny_grpo.jsonl")
+GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-7
 
 
 def _mean(rows, key):
@@ -28,6 +29,8 @@ def test_tiny_reward_rises(tmp_path, algo, overrides):
     assert last > first + 0.05 and last > 2 * first, (first, last)
     if algo == "ppo":
         assert rows[-1]["critic/loss"] < rows[0]["critic/loss"]
+    if algo == "grpo":
+        assert_loss_terms(rows, kl_loss_coef=0.001)
     # the rollout engine samples from the actor's current weights (in-place sync works)
     assert max(r["actor/rollout_diff_max"] for r in rows) < 1e-4
 
@@ -69,7 +72,22 @@ def test_golden_metrics_reproduced(tmp_path):
             f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(GOLDEN) as f:
         golden = [json.loads(line) for line in f]
-    assert rows == golden
+    assert [r["step"] for r in rows] == [g["step"] for g in golden]
+    for row, gold in zip(rows, golden):
+        assert sorted(row) == sorted(gold), (row, gold)
+        for key in gold:
+            # Kernels round differently on AVX2 and AVX-512 CPUs (seen: 2e-5 relative on actor/loss),
+            # so a tolerance, yet tight enough that dropping the KL term (4.8e-5 of 4.8e-5 at step 3)
+            # or the std normalisation fails.
+            assert row[key] == pytest.approx(gold[key], rel=GOLDEN_RTOL, abs=GOLDEN_ATOL), (row["step"], key)
+    assert_loss_terms(rows, kl_loss_coef=0.001)
+
+
+def assert_loss_terms(rows, kl_loss_coef):
+    """Machine-independent: actor/loss = actor/pg_loss + kl_loss_coef * actor/kl at every step."""
+    for r in rows:
+        assert r["actor/loss"] == pytest.approx(r["actor/pg_loss"] + kl_loss_coef * r.get("actor/kl", 0.0),
+                                                rel=1e-4, abs=1e-9), r
 
 
 def test_trackers_plot_and_memory_warning(tmp_path):

@@ -26,6 +26,11 @@ from rlstack.algorithms import (
     masked_whiten,
     place_at_last_token,
     policy_loss,
+    POLICY_LOSSES,
+    compute_policy_loss,
+    gspo_policy_loss,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
     rloo,
     value_loss,
     whiten_stats,
@@ -45,7 +50,16 @@ def close(actual, expected, atol=1e-5):
 def test_registries_match_config_choices():
     assert set(ADVANTAGE_ESTIMATORS) == set(config.CHOICES["algorithm.adv_estimator"]) - {""}
     assert set(KL_ESTIMATORS) == set(config.CHOICES["algorithm.kl_loss_type"])
+    assert set(KL_ESTIMATORS) == set(config.CHOICES["algorithm.kl_penalty"])
     assert set(LOSS_AGG_MODES) == set(config.CHOICES["algorithm.loss_agg_mode"])
+    assert set(POLICY_LOSSES) == set(config.CHOICES["algorithm.policy_loss"])
+
+
+def test_config_imports_no_torch():
+    import subprocess
+    import sys
+    code = "import sys, rlstack.config, rlstack.algorithms.names; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ----------------------------------------------------------------------------- masked helpers
@@ -136,6 +150,17 @@ def test_grpo_drgrpo_rloo_by_hand():
     close(grpo(SCORES, GROUPS, mask, norm_by_std=False)[:, 0], [0.5, -0.5, -0.5, 0.5, -1.0, 1.0])
     # RLOO: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3; 2 - 4 = -2; 4 - 2 = 2
     close(rloo(SCORES, GROUPS, mask)[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3, -2.0, 2.0])
+
+
+def test_registered_grpo_normalises_by_group_std():
+    """What the trainer calls: `compute_advantages("grpo")` divides by the group's std (hand values)."""
+    mask = torch.ones(6, 2)
+    expected = T([0.866025, -0.866025, -0.866025, 0.866025, -0.707107, 0.707107])
+    adv, returns = compute_advantages("grpo", scores=SCORES, group_ids=GROUPS, mask=mask)
+    close(adv, expected[:, None] * mask)
+    close(returns, adv)
+    adv_dr, _ = compute_advantages("drgrpo", scores=SCORES, group_ids=GROUPS, mask=mask)
+    close(adv_dr[:, 0], [0.5, -0.5, -0.5, 0.5, -1.0, 1.0])
 
 
 def test_grpo_zero_mean_unit_std_per_group():
@@ -271,14 +296,14 @@ def test_agg_loss_split_invariance(mode):
     lengths = torch.randint(1, seq_len + 1, (num_seqs,), generator=g)
     lengths[5] = 0  # one padding row
     mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, T] bool
-    full = agg_loss(loss_mat, mask, mode)
+    full = agg_loss(loss_mat, mask, mode, loss_scale_factor=7)
     # 2 ranks take shuffled shares, each cut into 3 micro-batches of uneven size.
     order = torch.randperm(num_seqs, generator=g)
     splits = [order[0:1], order[1:4], order[4:6], order[6:9], order[9:11], order[11:12]]
     counts = [mask_counts(mask[idx]) for idx in splits]
     num_tokens, num_seqs_global = sum(c[0] for c in counts), sum(c[1] for c in counts)
     parts = [agg_loss(loss_mat[idx], mask[idx], mode, global_num_tokens=num_tokens,
-                      global_num_seqs=num_seqs_global) for idx in splits]
+                      global_num_seqs=num_seqs_global, loss_scale_factor=7) for idx in splits]
     torch.testing.assert_close(sum(parts), full, atol=1e-12, rtol=0)
 
 
@@ -362,3 +387,165 @@ def test_entropy_from_logits_by_hand():
     close(ent, [[math.log(4), 1.5 * math.log(2)]])
     # Invariant to a constant shift of the logits.
     close(entropy_from_logits(logits + 7.0), ent)
+
+
+# ----------------------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_plus_plus_by_hand():
+    # one reward at each row's last token (plus a -0.1 in-reward KL at token 0 of row 0), gamma 0.5
+    rewards = T([[-0.1, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    adv, returns = reinforce_plus_plus(rewards, mask, gamma=0.5)
+    # row 0: G2 = 1, G1 = 0 + 0.5, G0 = -0.1 + 0.25 = 0.15; row 1: G1 = 2, G0 = 1, G2 (off mask) = 0
+    close(returns, [[0.15, 0.5, 1.0], [1.0, 2.0, 0.0]])
+    g = torch.tensor([0.15, 0.5, 1.0, 1.0, 2.0])
+    close(adv, [[*((g[:3] - g.mean()) / g.std()).tolist()], [*((g[3:] - g.mean()) / g.std()).tolist(), 0.0]],
+          atol=1e-4)
+    adv, _ = compute_advantages("reinforce_plus_plus", mask=mask, token_rewards=rewards, gamma=0.5)
+    close(adv[0, 0], ((0.15 - g.mean()) / g.std()).item(), atol=1e-4)
+
+
+def test_reinforce_plus_plus_skips_gaps_in_the_mask():
+    returns = reinforce_plus_plus(T([[1.0, 5.0, 1.0]]), T([[1, 0, 1]]), gamma=1.0)[1]
+    close(returns, [[2.0, 0.0, 1.0]])  # the masked-out 5.0 is ignored, the later return carried past
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    scores = T([1.0, 0.0, 0.0, 3.0, 5.0])
+    group_ids = T([0, 0, 0, 1, 2])  # groups {1, 0, 0}, {3} alone, {5} alone
+    mask = T([[1, 1], [1, 0], [1, 1], [1, 1], [1, 0]])
+    adv = reinforce_plus_plus_baseline(scores, group_ids, mask)
+    # minus group mean (1/3) for group 0, baseline 0 for the single samples: 2/3, -1/3, -1/3, 3, 5
+    centred = [2 / 3, -1 / 3, -1 / 3, 3.0, 5.0]
+    tokens = torch.tensor([c for c, n in zip(centred, [2, 1, 2, 2, 1]) for _ in range(n)])
+    mean, std = tokens.mean(), tokens.std()  # whitened over the 8 masked tokens (unbiased std)
+    expected = [[(c - mean) / std if j < n else 0.0 for j in range(2)] for c, n in zip(centred, [2, 1, 2, 2, 1])]
+    close(adv, expected, atol=1e-4)
+    adv2, ret2 = compute_advantages("reinforce_plus_plus_baseline", mask=mask, scores=scores, group_ids=group_ids)
+    close(adv2, adv)
+    close(ret2, adv)
+
+
+# ----------------------------------------------------------------------------- Dr.GRPO, token-sum
+
+
+def test_drgrpo_no_std_and_seq_mean_token_sum_norm():
+    scores, group_ids = T([1.0, 0.0, 0.0, 0.0]), T([0, 0, 0, 0])
+    mask = T([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv, _ = compute_advantages("drgrpo", mask=mask, scores=scores, group_ids=group_ids)
+    close(adv[:, 0], [0.75, -0.25, -0.25, -0.25])  # score - mean, no division by std
+    loss_mat = torch.ones(4, 4)
+    # token sums 3, 1, 2, 4 -> mean over 4 sequences 2.5 -> / constant 8 = 0.3125 (length-free)
+    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=8), 2.5 / 8)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(loss_mat, mask, "seq-mean-token-sum-norm")
+
+
+def test_token_sum_aggregation():
+    loss_mat = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = T([[1, 1, 0], [0, 1, 1]])
+    close(agg_loss(loss_mat, mask, "token-sum"), 1 + 2 + 5 + 6)
+    close(agg_loss(loss_mat, mask, "token-sum", global_num_tokens=100, global_num_seqs=9), 14.0)
+
+
+# ----------------------------------------------------------------------------- KL names
+
+
+def test_verl_kl_names_by_hand():
+    logp, ref = T([[-1.0, -2.0]]), T([[-1.5, -1.0]])
+    d = logp - ref  # [0.5, -1.0]
+    close(kl_estimate(logp, ref, "kl"), d)
+    close(kl_estimate(logp, ref, "mse"), 0.5 * d ** 2)
+    close(kl_estimate(logp, ref, "abs"), [[0.5, 1.0]])
+    r = -d  # ref - logp
+    close(kl_estimate(logp, ref, "low_var_kl"), torch.exp(r) - r - 1)
+    close(kl_estimate(logp, ref, "low_var_kl"), kl_estimate(logp, ref, "k3"))
+
+
+@pytest.mark.parametrize("name", ["k1+", "k3+", "low_var_kl+", "kl+", "abs+"])
+def test_straight_through_kl_has_k2_gradient(name):
+    logp = T([[-1.0, -2.0, -0.3]]).requires_grad_()
+    ref = T([[-1.5, -1.0, -0.3]])
+    value = kl_estimate(logp, ref, name)
+    close(value, kl_estimate(logp.detach(), ref, name.rstrip("+")))  # the base estimate's value
+    value.sum().backward()
+    close(logp.grad, (logp - ref).detach())  # d/dlogp of 0.5 (logp - ref)^2
+
+
+# ----------------------------------------------------------------------------- GSPO
+
+
+def test_gspo_sequence_ratio_and_clip_by_hand():
+    # row 0: token log-ratios 0.2, -0.1, 0.5 -> mean 0.2 -> s = e^0.2 = 1.2214 for all its tokens
+    # row 1: log-ratios 0.0, 0.02 (third token padded) -> s = e^0.01 = 1.01005
+    old = torch.zeros(2, 3)
+    logprob = T([[0.2, -0.1, 0.5], [0.0, 0.02, 7.0]]).requires_grad_()
+    adv = T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    loss, stats = gspo_policy_loss(old, logprob, adv, mask, clip_low=0.05, clip_high=0.1,
+                                   agg_mode="token-mean")
+    s0, s1 = math.exp(0.2), math.exp(0.01)
+    # row 0, A = 1: max(-s0, -clip(s0) = -1.1) = -1.1, clipped; row 1, A = -1: max(s1, clip(s1)) = s1
+    close(loss, (3 * -1.1 + 2 * s1) / 5)
+    close(stats["clip_frac"], 3 / 5)
+    loss.backward()
+    # clipped tokens get no gradient; row 1's tokens each get d/dlogp of s1 * logp_t / 5 = s1 / 5
+    close(logprob.grad, [[0.0, 0.0, 0.0], [s1 / 5, s1 / 5, 0.0]])
+    loss2, _ = compute_policy_loss("gspo", old, logprob, adv, mask, 0.05, 0.1, None, "token-mean")
+    close(loss2, loss)
+
+
+def test_gspo_differs_from_token_level_ppo():
+    # token ratios e^0.5 and e^-0.5 cancel at sequence level: GSPO clips nothing, PPO clips one
+    old, logprob = torch.zeros(1, 2), T([[0.5, -0.5]])
+    adv, mask = T([[1.0, 1.0]]), torch.ones(1, 2)
+    _, g_stats = gspo_policy_loss(old, logprob, adv, mask, 0.2, 0.2)
+    _, p_stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2)
+    close(g_stats["clip_frac"], 0.0)
+    close(p_stats["clip_frac"], 0.5)
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
+        compute_policy_loss("ppo2", old, logprob, adv, mask, 0.2, 0.2)
+
+
+# ----------------------------------------------------------------------------- bugs found against verl
+
+
+def test_value_clip_fraction_counts_only_clipped_tokens():
+    # v - old = -0.136 is inside the clip 0.2, but old + (v - old) != v in float32 for these
+    # values, so comparing the two squared errors counted one of tokens 0/1 as clipped by rounding.
+    o, v = 0.07688700407743454, -0.05941878259181976
+    old = T([[o, o, 0.0]])
+    values = T([[v, v, 0.5]])  # tokens 0, 1 inside the clip; token 2 clipped (0.5 > 0.2)
+    assert (old + (values - old).clamp(-0.2, 0.2))[0, 0] != values[0, 0]  # the rounding
+    returns = T([[v - 0.01, v + 0.01, 100.0]])  # near v (so 1 ulp shows), on both sides of it
+    _, stats = value_loss(values, old, returns, torch.ones(1, 3), clip=0.2)
+    close(stats["clip_frac"], 1 / 3)
+
+
+def test_nan_and_inf_at_padded_positions_do_not_reach_losses_or_grads():
+    mask = T([[1, 1, 0], [1, 0, 0]])
+    bad = float("nan")
+    logprob = T([[-1.0, -2.0, bad], [-0.5, -math.inf, bad]]).requires_grad_()
+    old = T([[-1.1, -2.0, -math.inf], [-0.4, bad, 0.0]])
+    ref = T([[-1.0, -2.5, bad], [-0.5, bad, -math.inf]])
+    adv = T([[1.0, -1.0, bad], [0.5, math.inf, bad]])
+    for mode in sorted(LOSS_AGG_MODES):
+        pg, pg_stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2, 3.0, mode, loss_scale_factor=3)
+        kl, _ = kl_loss(logprob, ref, mask, "k3", mode, loss_scale_factor=3)
+        gs, _ = gspo_policy_loss(old, logprob, adv, mask, 0.2, 0.2, None, mode, loss_scale_factor=3)
+        for value in (pg, kl, gs, *pg_stats.values()):
+            assert torch.isfinite(value).all(), mode
+        logprob.grad = None
+        (pg + kl + gs).backward()
+        assert torch.isfinite(logprob.grad).all(), mode
+        assert (logprob.grad[mask == 0] == 0).all()
+    values = T([[1.0, 2.0, bad], [0.5, math.inf, bad]]).requires_grad_()
+    vl, v_stats = value_loss(values, T([[1.0, 2.1, bad], [0.4, bad, 0.0]]), T([[1.0, 1.0, bad], [1.0, 1.0, bad]]), mask)
+    vl.backward()
+    assert torch.isfinite(vl) and torch.isfinite(values.grad).all()
+    assert all(torch.isfinite(v) for v in v_stats.values())
+    close(agg_loss(T([[1.0, bad, -math.inf]]), T([[1, 0, 0]]), "token-mean"), 1.0)
+    close(masked_mean(T([[2.0, bad]]), T([[1, 0]])), 2.0)
+    adv_gae, ret = gae(T([[0.0, 1.0, bad]]), T([[0.5, 0.2, bad]]), T([[1, 1, 0]]), 1.0, 1.0)
+    assert torch.isfinite(adv_gae).all() and torch.isfinite(ret).all()

@@ -1,4 +1,4 @@
-"""Collectives are NCCL-safe by construction (rlstack/collectives.py, rlstack/parallel.py).
+"""Collectives are NCCL-safe by construction (rlstack/collectives.py, megatron_bridge/parallel.py).
 
 - No code under rlstack/ or benchmarks/ calls a raw torch.distributed collective outside
   rlstack/collectives.py (an AST scan, so no GPU is needed to catch a CPU tensor sent over NCCL).
@@ -105,7 +105,7 @@ def test_scanner_sees_every_spelling(source, expected):
 def test_nccl_default_group_has_gloo_beside_it(monkeypatch):
     import torch.distributed as dist
 
-    from rlstack import parallel
+    from megatron_bridge import parallel
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -120,7 +120,7 @@ def test_nccl_default_group_has_gloo_beside_it(monkeypatch):
 
 
 def test_gloo_stays_gloo_without_cuda(monkeypatch):
-    from rlstack import parallel
+    from megatron_bridge import parallel
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert parallel.pick_backend("auto") == "gloo"

@@ -7,7 +7,10 @@ import pytest
 import yaml
 
 from rlstack.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict, to_yaml
-from rlstack.parallel import ModelShape, ParallelDims, check_layout
+from megatron_bridge.hf_config import ModelArgs
+from megatron_bridge.parallel import ParallelDims
+from rlstack.parallel import check_layout
+from rlstack.planner.shapes import SMOLLM2_135M_CONFIG
 
 
 def _write(tmp_path, text):
@@ -44,7 +47,7 @@ def test_single_path_becomes_list():
     ("rollout.temperature=hot", "'rollout.temperature' expects float"),
     ("algorithm.use_kl_loss=3", "expects bool"),
     ("rollout.engine=sglang", "choose one of 'hf', 'vllm'"),
-    ("logging.trackers=[console,mlflow]", "unknown tracker 'mlflow'"),
+    ("logging.trackers=[console,neptune]", "unknown tracker 'neptune'"),
     ("trainer.total_steps=0", "must be at least 1"),
     ("rollout.n", "is not key=value"),
     ("rollout=3", "must be a section"),
@@ -72,13 +75,13 @@ def test_parallel_sizes_name_the_fix():
         ParallelDims.resolve(1, 1, 4, 2)
     dims = ParallelDims.resolve(2, 1, -1, 4)
     assert dims.dp == 2
-    shape = ModelShape(num_layers=30, num_attention_heads=9, num_query_groups=3, vocab_size=49152)
+    shape = ModelArgs.from_hf_config(SMOLLM2_135M_CONFIG)
     with pytest.raises(ValueError, match=r"does not divide the model's 9 attention heads: choose parallel.tp from \[1, 3\]"):
         ParallelDims.resolve(2, 1, -1, 2).check_model(shape)
     with pytest.raises(ValueError, match=r"parallel.pp=4 does not divide the model's 30 layers"):
         ParallelDims.resolve(1, 4, -1, 4).check_model(shape)
     with pytest.raises(ValueError, match="key/value heads"):
-        ParallelDims.resolve(4, 1, -1, 4).check_model(ModelShape(2, 8, 2, 100))
+        ParallelDims.resolve(4, 1, -1, 4).check_model(ModelArgs.from_hf_config(dict(SMOLLM2_135M_CONFIG, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)))
 
 
 def test_check_layout_batch_divides_dp():

@@ -7,15 +7,23 @@ import os
 import pytest
 
 from rlstack.config import adv_estimator, load_config
-from rlstack.parallel import ModelShape, ParallelDims
+import json
+
+from megatron_bridge.hf_config import ModelArgs
+from megatron_bridge.parallel import ParallelDims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(ROOT, "yaml_configs")
 ALL_CONFIGS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 
 # Shapes from the models' HF config.json (vocab before Megatron's padding).
-QWEN2_0P5B = ModelShape(num_layers=24, num_attention_heads=14, num_query_groups=2, vocab_size=151936)
-QWEN2_7B = ModelShape(num_layers=28, num_attention_heads=28, num_query_groups=4, vocab_size=152064)
+def _args(name):
+    with open(os.path.join(ROOT, "tests", "assets", "model_configs", name)) as f:
+        return ModelArgs.from_hf_config(json.load(f), name)
+
+
+QWEN2_0P5B = _args("qwen2-0.5b-instruct.json")
+QWEN2_7B = _args("qwen2-7b-instruct.json")
 
 # config file -> (model shape, world size it is written for)
 GPU_CONFIGS = {

@@ -1,9 +1,9 @@
-"""Each megatron-core CPU patch (rlstack/cpu_compat.py) does what its comment says."""
+"""Each megatron-core CPU patch (megatron_bridge/cpu_compat.py) does what its comment says."""
 
 import pytest
 import torch
 
-from rlstack import cpu_compat
+from megatron_bridge import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="patches apply only without CUDA")
 
@@ -62,7 +62,7 @@ def test_cuda_type_names_only_inside_wrapped_functions():
 
 
 def test_tensor_cuda_only_inside_cpu_scope():
-    from rlstack.cpu_compat import _with_cuda_type_names
+    from megatron_bridge.cpu_compat import _with_cuda_type_names
 
     t = torch.ones(2)
     assert _with_cuda_type_names(lambda: t.cuda())() is t

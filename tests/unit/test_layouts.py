@@ -9,7 +9,7 @@ import torch
 from megatron_bridge import layouts
 from megatron_bridge.mappings import (TRANSFORMS, hf_to_megatron_names, megatron_to_hf_names, param_maps,
                                       to_global_name, to_local_name)
-from rlstack.models import ModelArgs
+from megatron_bridge.models import ModelArgs
 
 # GQA: 8 heads in 4 query groups; vocab 300 is not a multiple of 128 or 64.
 ARGS = ModelArgs(arch="qwen2", vocab_size=300, hidden_size=16, num_layers=4, num_attention_heads=8,

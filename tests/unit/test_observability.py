@@ -117,7 +117,8 @@ def test_other_errors_keep_their_traceback_and_exit_1(tmp_path):
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and "RuntimeError: bug here" in proc.stderr
     text = (tmp_path / "run" / "logs" / "rank0.log").read_text()
-    assert "ERROR rlstack: unrecoverable error: RuntimeError: bug here" in text
+    assert "ERROR rlstack: internal error (bug): RuntimeError: bug here" in text
+    assert proc.stderr.count("Traceback (most recent call last)") == 1 and "this is a bug in rlstack" in proc.stderr
 
 
 def test_user_error_guard_returns_the_result_and_finds_the_file_from_a_child_logger(tmp_path):
@@ -175,8 +176,8 @@ def test_other_ranks_get_a_noop_tracker_and_jsonl_is_always_on(tmp_path):
     loud.log({"reward/mean": 1.0}, step=1)
     loud.close()
     assert json.loads((tmp_path / "r0" / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 1.0}
-    with pytest.raises(ValueError, match="unknown tracker 'mlflow'"):
-        build_trackers(["mlflow"], str(tmp_path), rank=0)
+    with pytest.raises(ValueError, match="unknown tracker 'neptune'"):
+        build_trackers(["neptune"], str(tmp_path), rank=0)
 
 
 def test_wandb_missing_is_a_user_error(tmp_path, monkeypatch):
@@ -205,8 +206,136 @@ def test_wandb_tracker_forwards_metrics(tmp_path, monkeypatch):
     trackers = build_trackers(["wandb"], str(tmp_path), rank=0, config_dict={"a": 1}, run_name="r")
     trackers.log({"reward/mean": 0.5}, step=4)
     trackers.close()
-    assert calls[0] == ("init", {"project": "rlstack", "name": "r", "config": {"a": 1}, "dir": str(tmp_path)})
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    assert calls[0] == ("init", {"project": "rlstack", "name": "r", "config": {"a": 1}, "dir": str(tmp_path),
+                                 "id": run_id, "resume": "allow"})
     assert calls[1:] == [("log", {"reward/mean": 0.5}, 4), ("finish",)]
+
+
+def _fake_wandb(monkeypatch, calls):
+    class Run:
+        def __init__(self, run_id):
+            self.id = run_id
+
+        def log(self, metrics, step):
+            calls.append(("log", self.id, step))
+
+        def finish(self):
+            calls.append(("finish", self.id))
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kwargs):
+            calls.append(("init", kwargs["id"], kwargs["resume"]))
+            return Run(kwargs["id"])
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+
+
+def test_wandb_resumes_the_same_run_after_a_restart(tmp_path, monkeypatch):
+    calls = []
+    _fake_wandb(monkeypatch, calls)
+    first = build_trackers(["wandb"], str(tmp_path), rank=0)
+    first.log({"reward/mean": 0.1}, step=1)
+    first.close()  # the run is killed or ends; a restart builds the trackers again
+    second = build_trackers(["wandb"], str(tmp_path), rank=0)
+    second.log({"reward/mean": 0.2}, step=2)
+    second.close()
+    run_id = calls[0][1]
+    assert calls == [("init", run_id, "allow"), ("log", run_id, 1), ("finish", run_id),
+                     ("init", run_id, "allow"), ("log", run_id, 2), ("finish", run_id)]
+    assert second.trackers[1].resumed and not first.trackers[1].resumed
+    other = build_trackers(["wandb"], str(tmp_path / "elsewhere"), rank=0)  # another directory: another run
+    assert other.trackers[1].run_id != run_id
+    fresh = build_trackers(["wandb"], str(tmp_path), rank=0, resume=False)  # asked for a new run
+    assert fresh.trackers[1].run_id != run_id
+    assert (tmp_path / "wandb_run_id").read_text().strip() == fresh.trackers[1].run_id
+
+
+def test_wandb_offline_mode_resumes(tmp_path, monkeypatch):
+    """With the real wandb in offline mode (skipped where wandb is not installed)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = build_trackers(["wandb"], str(tmp_path), rank=0)
+    first.log({"reward/mean": 0.1}, step=1)
+    first.close()
+    second = build_trackers(["wandb"], str(tmp_path), rank=0)
+    assert second.trackers[1].run_id == first.trackers[1].run_id
+    second.close()
+
+
+class _FakeMlflow:
+    """Records calls the way the mlflow module would see them."""
+
+    def __init__(self):
+        self.calls, self.runs = [], 0
+
+    def set_tracking_uri(self, uri):
+        self.calls.append(("uri", uri))
+
+    def set_experiment(self, name):
+        self.calls.append(("experiment", name))
+
+    def start_run(self, run_id=None, run_name=None):
+        import types
+        if run_id is None:
+            self.runs += 1
+            run_id = f"run{self.runs}"
+        self.calls.append(("start", run_id, run_name))
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id))
+
+    def log_params(self, params):
+        self.calls.append(("params", params))
+
+    def log_metrics(self, metrics, step):
+        self.calls.append(("metrics", metrics, step))
+
+    def end_run(self):
+        self.calls.append(("end",))
+
+
+def test_mlflow_tracker_logs_and_resumes(tmp_path, monkeypatch):
+    fake = _FakeMlflow()
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = build_trackers(["mlflow"], str(tmp_path), rank=0, config_dict={"algorithm": {"lr": 1e-6}, "x": "y" * 900},
+                           project="proj", run_name="r")
+    first.log({"reward/mean": 0.5, "note": "text", "flag": True}, step=3)
+    first.close()
+    second = build_trackers(["mlflow"], str(tmp_path), rank=0, project="proj")
+    second.close()
+    uri = "file:" + str(tmp_path / "mlruns")
+    assert fake.calls == [
+        ("uri", uri), ("experiment", "proj"), ("start", "run1", "r"),
+        ("params", {"algorithm.lr": "1e-06", "x": "y" * 500}),
+        ("metrics", {"reward/mean": 0.5, "flag": 1.0}, 3), ("end",),
+        ("uri", uri), ("experiment", "proj"), ("start", "run1", None), ("end",),  # the same run again
+    ]
+    assert (tmp_path / "mlflow_run_id").read_text().strip() == "run1"
+
+
+def test_mlflow_missing_is_a_user_error(tmp_path, monkeypatch):
+    from rlstack.errors import UserError
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(UserError, match="pip install mlflow"):
+        build_trackers(["mlflow"], str(tmp_path), rank=0)
+
+
+def test_mlflow_real_file_store(tmp_path, monkeypatch):
+    """The real mlflow, when installed: metrics land in the local store and a restart continues."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = build_trackers(["mlflow"], str(tmp_path), rank=0, config_dict={"a": 1})
+    first.log({"reward/mean": 0.5}, step=1)
+    first.close()
+    second = build_trackers(["mlflow"], str(tmp_path), rank=0)
+    second.log({"reward/mean": 0.7}, step=2)
+    second.close()
+    run_id = second.trackers[1].run_id
+    assert run_id == first.trackers[1].run_id
+    history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.7)]
 
 
 # ----------------------------------------------------------------------------- monitor

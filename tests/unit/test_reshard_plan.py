@@ -10,7 +10,7 @@ import torch
 from megatron_bridge import layouts
 from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
 from megatron_bridge.reshard import assemble, plan_reshard
-from rlstack.models import ModelArgs
+from megatron_bridge.models import ModelArgs
 
 
 def _args(heads=8, groups=4, vocab=300, tied=True, qkv_bias=False, arch="llama"):

@@ -7,6 +7,8 @@ RoPE with its theta, GQA, optional QKV bias, tied or untied embeddings).
 
 from __future__ import annotations
 
+from megatron_bridge.errors import InputError
+from megatron_bridge.hf_config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: F401 (re-exported)
 import logging
 import math
 from dataclasses import dataclass
@@ -15,77 +17,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("rlstack")
+log = logging.getLogger("megatron_bridge")
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-}
 _SPEC_LOGGED = False
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """What the builders need from an HF config (plain numbers; no transformers import)."""
-
-    arch: str  # llama | qwen2
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_hf_config(cls, hf: Any) -> "ModelArgs":
-        """From a transformers config object or its dict (config.json)."""
-        get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
-        archs = get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or get('model_type')}: rlstack supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Qwen2 families)"
-            )
-        _check_rope_scaling(get("rope_scaling"), get("rope_parameters"))
-        heads = get("num_attention_heads")
-        hidden = get("hidden_size")
-        return cls(
-            arch=arch, vocab_size=get("vocab_size"), hidden_size=hidden, num_layers=get("num_hidden_layers"),
-            num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
-            ffn_hidden_size=get("intermediate_size"), head_dim=get("head_dim") or hidden // heads,
-            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(get),
-            max_position_embeddings=get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
-        )
-
-    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
-        """Megatron's padding: a multiple of divisible_by x TP, so every TP rank holds equal rows."""
-        multiple = divisible_by * tp
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
-
-
-def _rope_theta(get) -> float:
-    params = get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(get("rope_theta", 10000.0))
-
-
-def _check_rope_scaling(scaling: Optional[dict], params: Optional[dict]) -> None:
-    kind = None
-    for source in (scaling, params):
-        if isinstance(source, dict):
-            kind = source.get("rope_type") or source.get("type") or kind
-    if kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported yet: use a model without rope_scaling")
 
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, dtype: torch.dtype = torch.float32,

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-log = logging.getLogger("rlstack")
+log = logging.getLogger("megatron_bridge")
 _APPLIED = False
 
 

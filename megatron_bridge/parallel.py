@@ -1,0 +1,187 @@
+"""Parallel dims and process groups, over megatron-core's `parallel_state`.
+
+`ParallelDims` validates early (before any process group exists) and `init_distributed` builds the
+groups once and returns them in a `ParallelGroups` that callers pass on; library code never fetches
+groups from `parallel_state` itself. NCCL (with gloo beside it) on CUDA, gloo on CPU (with `cpu_compat`
+patches). The config-level checks (`check_layout(cfg)`) live in rlstack.parallel.
+"""
+
+from __future__ import annotations
+
+from megatron_bridge.errors import InputError
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, tp: int, pp: int, dp: int, world_size: int) -> "ParallelDims":
+        """Fill dp=-1 from the world size; raise ValueError naming the number to change."""
+        if tp < 1 or pp < 1:
+            raise InputError(f"parallel.tp={tp} and parallel.pp={pp} must be at least 1")
+        if world_size % (tp * pp) != 0:
+            raise InputError(
+                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}: "
+                f"change parallel.tp/parallel.pp or the number of processes (nproc_per_node x nnodes)"
+            )
+        if dp == -1:
+            dp = world_size // (tp * pp)
+        if tp * pp * dp != world_size:
+            raise InputError(
+                f"parallel.tp * parallel.pp * parallel.dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world "
+                f"size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or -1) or launch "
+                f"{tp * pp * dp} processes"
+            )
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size)
+
+    def check_model(self, shape) -> None:
+        """`shape`: a megatron_bridge.hf_config.ModelArgs (num_layers, num_attention_heads, num_query_groups)."""
+        if shape.num_attention_heads % self.tp:
+            raise InputError(
+                f"parallel.tp={self.tp} does not divide the model's {shape.num_attention_heads} attention "
+                f"heads: choose parallel.tp from {_divisors(shape.num_attention_heads, shape.num_query_groups)}"
+            )
+        if shape.num_query_groups % self.tp:
+            raise InputError(
+                f"parallel.tp={self.tp} does not divide the model's {shape.num_query_groups} key/value heads "
+                f"(query groups): choose parallel.tp from "
+                f"{_divisors(shape.num_attention_heads, shape.num_query_groups)}"
+            )
+        if shape.num_layers % self.pp:
+            raise InputError(
+                f"parallel.pp={self.pp} does not divide the model's {shape.num_layers} layers: choose "
+                f"parallel.pp from {_divisors(shape.num_layers)}"
+            )
+
+
+def _divisors(*numbers: int) -> list[int]:
+    return [d for d in range(1, min(numbers) + 1) if all(n % d == 0 for n in numbers)]
+
+
+@dataclass
+class ParallelGroups:
+    """Process groups built once at start-up and passed to workers and to the bridge."""
+
+    dims: ParallelDims
+    rank: int
+    local_rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp: Any  # ProcessGroup
+    pp: Any
+    dp: Any
+    mp: Any  # model parallel (tp x pp)
+    embd: Optional[Any]  # first and last pipeline stage (tied embeddings); None at PP=1
+    world: Any
+    device: Any  # torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+
+def pick_backend(requested: str) -> str:
+    import torch
+
+    if requested != "auto":
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise InputError("parallel.backend=nccl needs CUDA: use parallel.backend=gloo (or auto) on CPU")
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def process_group_backend(backend: str) -> str:
+    """What `init_process_group` gets: with NCCL, gloo beside it for CPU tensors.
+
+    NCCL alone refuses a CPU tensor (`No backend type associated with device type cpu`). rlstack's
+    own reductions put their tensors on `groups.device` (rlstack.collectives); the gloo half keeps
+    any CPU collective (an object gather, a library's CPU scalar) working. Sub-groups created
+    later with `new_group(backend=None)`, as megatron's parallel_state does, inherit both.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def start_world(backend: str, timeout_minutes: int, world_size: int, rank: int) -> None:
+    """The default process group (env:// as torchrun sets it, or a world of one on a free port)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    _default_rendezvous_env()
+    dist.init_process_group(backend=process_group_backend(backend),
+                            timeout=datetime.timedelta(minutes=timeout_minutes), world_size=world_size, rank=rank)
+
+
+def init_distributed(tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30,
+                     seed: int = 0) -> ParallelGroups:
+    """Start torch.distributed (env:// as torchrun sets it, or a world of one) and megatron groups."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_bridge import cpu_compat
+
+    cpu_compat.apply()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.resolve(tp, pp, dp, world_size)
+    backend = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_timeout_minutes=timeout_minutes)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return _collect_groups(dims, local_rank, backend)
+
+
+def _default_rendezvous_env() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collect_groups(dims: ParallelDims, local_rank: int, backend: str) -> ParallelGroups:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return ParallelGroups(
+        dims=dims, rank=dist.get_rank(), local_rank=local_rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        embd=ps.get_embedding_group() if dims.pp > 1 else None, world=dist.group.WORLD, device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

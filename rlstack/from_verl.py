@@ -1,0 +1,622 @@
+"""Translate a verl `main_ppo` command line into an rlstack experiment YAML.
+
+    python -m rlstack.from_verl [--out FILE] [--strict] key=value ...
+    python -m rlstack.from_verl --out ppo.yaml -- python3 -m verl.trainer.main_ppo data.train_files=... ...
+
+Every translated key gets a comment naming the verl setting it came from; keys rlstack does not
+need (FSDP settings, padding removal, ...) are listed as ignored, keys whose behaviour rlstack
+cannot reproduce are listed as UNSUPPORTED at the end of the file and on stderr (`--strict` then
+exits 1). Units differ in two places, converted here:
+- verl's `ppo_mini_batch_size` counts prompts; rlstack's `algorithm.mini_batch_size` counts
+  sequences: x rollout.n (and 0, "the whole batch", when it equals the train batch);
+- verl's `*_micro_batch_size_per_gpu` is per GPU, as rlstack's `algorithm.micro_batch_size` (per
+  data-parallel rank; one size for actor, critic, reference and log-prob passes); the deprecated
+  global `ppo_micro_batch_size` is divided by the number of GPUs.
+verl defaults that differ from rlstack's (use_kl_loss false, weight_decay 0.01, cliprange_value
+0.5, 512-token prompts and responses, ...) are written out, so the run means what it meant in verl.
+`critic.model.path`, or verl's default estimator `gae`, means PPO with a critic.
+Written against verl 0.9.1's `verl/trainer/config/_generated_ppo_trainer.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import yaml
+
+ACTOR = "actor_rollout_ref.actor."
+ROLLOUT = "actor_rollout_ref.rollout."
+REF = "actor_rollout_ref.ref."
+MODEL = "actor_rollout_ref.model."
+
+# verl key -> rlstack key, for settings with the same meaning and unit.
+DIRECT: dict[str, str] = {
+    "data.train_files": "data.train_files",
+    "data.val_files": "data.val_files",
+    "data.train_batch_size": "data.train_batch_size",
+    "data.val_batch_size": "data.val_batch_size",
+    "data.max_prompt_length": "data.max_prompt_length",
+    "data.max_response_length": "rollout.max_new_tokens",
+    "data.prompt_key": "data.prompt_key",
+    "data.shuffle": "data.shuffle",
+    "data.seed": "data.seed",
+    MODEL + "path": "model.path",
+    MODEL + "enable_gradient_checkpointing": "model.gradient_checkpointing",
+    ACTOR + "optim.lr": "algorithm.actor_lr",
+    ACTOR + "optim.weight_decay": "algorithm.weight_decay",
+    ACTOR + "optim.clip_grad": "algorithm.clip_grad",
+    ACTOR + "grad_clip": "algorithm.clip_grad",
+    ACTOR + "optim.lr_warmup_steps": "algorithm.actor_lr_warmup_steps",
+    ACTOR + "optim.lr_warmup_steps_ratio": "algorithm.lr_warmup_ratio",
+    ACTOR + "optim.min_lr_ratio": "algorithm.min_lr_ratio",
+    ACTOR + "clip_ratio_low": "algorithm.clip_ratio_low",
+    ACTOR + "clip_ratio_high": "algorithm.clip_ratio_high",
+    ACTOR + "clip_ratio_c": "algorithm.clip_ratio_c",
+    ACTOR + "entropy_coeff": "algorithm.entropy_coeff",
+    ACTOR + "use_kl_loss": "algorithm.use_kl_loss",
+    ACTOR + "kl_loss_coef": "algorithm.kl_loss_coef",
+    ACTOR + "kl_loss_type": "algorithm.kl_loss_type",
+    ACTOR + "ppo_epochs": "algorithm.ppo_epochs",
+    ACTOR + "loss_agg_mode": "algorithm.loss_agg_mode",
+    ACTOR + "loss_scale_factor": "algorithm.loss_scale_factor",
+    ACTOR + "policy_loss.loss_mode": "algorithm.policy_loss",
+    ACTOR + "megatron.tensor_model_parallel_size": "parallel.tp",
+    ACTOR + "megatron.pipeline_model_parallel_size": "parallel.pp",
+    ACTOR + "megatron.use_distributed_optimizer": "parallel.use_distributed_optimizer",
+    ROLLOUT + "n": "rollout.n",
+    ROLLOUT + "temperature": "rollout.temperature",
+    ROLLOUT + "top_p": "rollout.top_p",
+    ROLLOUT + "top_k": "rollout.top_k",
+    ROLLOUT + "response_length": "rollout.max_new_tokens",
+    ROLLOUT + "tensor_model_parallel_size": "rollout.tp",
+    ROLLOUT + "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    ROLLOUT + "max_num_seqs": "rollout.max_num_seqs",
+    ROLLOUT + "max_model_len": "rollout.max_model_len",
+    ROLLOUT + "enforce_eager": "rollout.enforce_eager",
+    ROLLOUT + "seed": "rollout.seed",
+    "critic.optim.lr": "algorithm.critic_lr",
+    "critic.optim.lr_warmup_steps": "algorithm.critic_lr_warmup_steps",
+    "critic.cliprange_value": "algorithm.value_clip",
+    "critic.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "algorithm.gamma": "algorithm.gamma",
+    "algorithm.lam": "algorithm.lam",
+    "algorithm.use_kl_in_reward": "algorithm.use_kl_in_reward",
+    "algorithm.kl_penalty": "algorithm.kl_penalty",
+    "algorithm.kl_ctrl.type": "algorithm.kl_ctrl",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
+    "algorithm.kl_ctrl.target_kl": "algorithm.kl_target",
+    "algorithm.kl_ctrl.horizon": "algorithm.kl_horizon",
+    "trainer.project_name": "logging.project",
+    "trainer.experiment_name": "logging.run_name",
+    "trainer.val_before_train": "trainer.val_before_train",
+    "trainer.default_local_dir": "checkpoint.dir",
+    "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
+    "trainer.critic_warmup": "algorithm.critic_warmup_steps",
+    "trainer.seed": "trainer.seed",
+}
+for _prefix in ("", "reward."):  # verl 0.9.1 reads reward.custom_reward_function; older: top level
+    DIRECT[_prefix + "custom_reward_function.path"] = "data.reward_fn_file"
+    DIRECT[_prefix + "custom_reward_function.name"] = "data.reward_fn_name"
+    DIRECT[_prefix + "custom_reward_function.reward_kwargs"] = "data.reward_kwargs"
+
+# verl keys translated by code below (units, several keys at once); their rlstack key for the hint.
+SPECIAL: dict[str, str] = {
+    ACTOR + "ppo_mini_batch_size": "algorithm.mini_batch_size (sequences: verl's prompts x rollout.n)",
+    ACTOR + "ppo_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    ACTOR + "ppo_micro_batch_size": "algorithm.micro_batch_size (per rank: verl's global size / GPUs)",
+    ACTOR + "clip_ratio": "algorithm.clip_ratio_low and algorithm.clip_ratio_high",
+    ACTOR + "optim.lr_scheduler_type": "algorithm.lr_schedule",
+    ACTOR + "optim.warmup_style": "algorithm.lr_schedule",
+    "critic.model.path": "model.critic_path (and algorithm.name=ppo)",
+    "critic.ppo_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    "critic.ppo_mini_batch_size": "algorithm.mini_batch_size",
+    "critic.ppo_epochs": "algorithm.ppo_epochs",
+    "critic.grad_clip": "algorithm.clip_grad",
+    "critic.optim.clip_grad": "algorithm.clip_grad",
+    "critic.optim.weight_decay": "algorithm.weight_decay",
+    "critic.optim.lr_warmup_steps_ratio": "algorithm.lr_warmup_ratio",
+    "critic.loss_agg_mode": "algorithm.loss_agg_mode",
+    ROLLOUT + "name": "rollout.engine",
+    ROLLOUT + "log_prob_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    REF + "log_prob_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    "algorithm.adv_estimator": "algorithm.adv_estimator",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.adv_estimator=drgrpo when false",
+    "data.truncation": "data.truncation",
+    "data.filter_overlong_prompts": "data.truncation=drop",
+    "trainer.logger": "logging.trackers",
+    "trainer.total_epochs": "trainer.total_steps (epochs x rows // data.train_batch_size)",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.test_freq": "trainer.val_every",
+    "trainer.save_freq": "checkpoint.save_every",
+    "trainer.resume_mode": "checkpoint.resume",
+    "trainer.resume_from_path": "checkpoint.resume",
+    "trainer.n_gpus_per_node": "the launch: torchrun --nproc_per_node",
+    "trainer.nnodes": "the launch: torchrun --nnodes",
+    "reward.reward_manager.name": "data.reward_fn_batched (batch)",
+    "reward_model.reward_manager": "data.reward_fn_batched (batch)",
+    "reward_model.enable": "(model-based rewards are not supported)",
+}
+
+# verl keys with no effect on what rlstack computes: accepted and listed, not translated.
+IGNORED_PREFIXES: dict[str, str] = {
+    ACTOR + "fsdp_config.": "FSDP setting; rlstack shards with megatron (parallel.*)",
+    REF + "fsdp_config.": "FSDP setting; rlstack shards with megatron (parallel.*)",
+    "critic.model.fsdp_config.": "FSDP setting; rlstack shards with megatron (parallel.*)",
+    "critic.fsdp_config.": "FSDP setting; rlstack shards with megatron (parallel.*)",
+    ACTOR + "strategy": "rlstack always trains with megatron-core",
+    "critic.strategy": "rlstack always trains with megatron-core",
+    MODEL + "use_remove_padding": "rlstack builds its own padded batches; results do not depend on it",
+    MODEL + "trust_remote_code": "rlstack loads llama/qwen2 layouts through megatron_bridge",
+    "critic.model.use_remove_padding": "rlstack builds its own padded batches",
+    "critic.model.trust_remote_code": "rlstack loads llama/qwen2 layouts through megatron_bridge",
+    "critic.model.tokenizer_path": "the critic uses the actor's tokenizer",
+    ROLLOUT + "free_cache_engine": "rlstack's engine keeps its cache between steps",
+    ROLLOUT + "load_format": "weights are synced in place by megatron_bridge",
+    ROLLOUT + "enable_chunked_prefill": "vLLM scheduling detail",
+    ROLLOUT + "prompt_length": "set from data.max_prompt_length",
+    ROLLOUT + "mode": "rlstack's rollout is colocated and synchronous",
+    ROLLOUT + "dtype": "set by model.dtype",
+    ROLLOUT + "val_kwargs.": "rlstack validates greedily (temperature 0, one sample)",
+    ACTOR + "shuffle": "mini-batches are taken in order",
+    ACTOR + "ulysses_sequence_parallel_size": "no sequence parallelism in rlstack",
+    ACTOR + "optim.total_training_steps": "taken from trainer.total_steps",
+    "actor_rollout_ref.hybrid_engine": "rlstack is always colocated (hybrid)",
+    "trainer.default_hdfs_dir": "no HDFS copy",
+    "trainer.device": "the device follows parallel.backend",
+    "trainer.log_val_generations": "not logged",
+    "trainer.balance_batch": "batches are split evenly over ranks",
+    "trainer.use_legacy_worker_impl": "verl implementation detail",
+    "trainer.max_critic_ckpt_to_keep": "checkpoint.keep_last covers actor and critic",
+    "trainer.del_local_ckpt_after_load": "checkpoints are kept",
+    "data.return_raw_chat": "rlstack applies the chat template itself",
+    "data.return_raw_input_ids": "rlstack applies the chat template itself",
+    "data.reward_fn_key": "the scorer is chosen by data_source (or data.reward_scorer)",
+    "data.dataloader_num_workers": "rows are loaded up front",
+    "ray_kwargs.": "no Ray in rlstack",
+    "ray_init.": "no Ray in rlstack",
+    "global_profiler.": "see --profile",
+}
+
+# verl defaults that differ from rlstack's: written out so the run keeps verl's meaning.
+VERL_DEFAULTS: dict[str, Any] = {
+    "data.train_batch_size": 1024,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    ACTOR + "use_kl_loss": False,
+    ACTOR + "optim.weight_decay": 0.01,
+    ACTOR + "ppo_mini_batch_size": 256,
+    ROLLOUT + "n": 1,
+    "algorithm.adv_estimator": "gae",
+    "critic.cliprange_value": 0.5,
+    "trainer.val_before_train": True,
+    "trainer.logger": ["console", "wandb"],
+    "trainer.total_epochs": 30,
+    "trainer.n_gpus_per_node": 8,
+    "trainer.nnodes": 1,
+}
+
+ESTIMATORS = {"gae": "gae", "grpo": "grpo", "grpo_vectorized": "grpo", "rloo": "rloo",
+              "rloo_vectorized": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
+              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline"}
+TRACKERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow",
+            "file": "jsonl"}
+ENGINES = {"vllm": "vllm", "hf": "hf"}
+SCHEDULES = {"constant": "constant", "cosine": "cosine"}
+
+
+@dataclass
+class Translation:
+    """rlstack values with the verl setting each came from, and what was left out."""
+
+    values: dict[str, Any] = field(default_factory=dict)  # rlstack dotted key -> value
+    sources: dict[str, str] = field(default_factory=dict)  # rlstack dotted key -> comment
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (verl key=value, why)
+    unsupported: list[tuple[str, str]] = field(default_factory=list)  # (verl key=value, why)
+    world_size: int = 1
+    nnodes: int = 1
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        self.values[key] = value
+        self.sources[key] = source
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_command_line(tokens: list[str]) -> dict[str, Any]:
+    """verl's `key=value` overrides (Hydra syntax, values read as YAML) -> {dotted key: value}.
+
+    A pasted shell command works: tokens before `-m verl.trainer.main_ppo` (env assignments,
+    python3), and everything from a pipe or a redirection on, are skipped; `+key` and `++key` are
+    read as `key`.
+    """
+    if "verl.trainer.main_ppo" in tokens:
+        tokens = tokens[tokens.index("verl.trainer.main_ppo") + 1:]
+    out: dict[str, Any] = {}
+    for token in tokens:
+        if token in ("|", "\\") or token.startswith((">", "2>", "1>", "&")):
+            if token == "\\":
+                continue
+            break
+        if "=" not in token:
+            continue
+        key, text = token.split("=", 1)
+        key = key.lstrip("+")
+        if "." not in key and key.isupper():
+            continue  # an environment assignment such as PYTHONUNBUFFERED=1
+        out[key] = _yaml_value(text)
+    return out
+
+
+def _yaml_value(text: str) -> Any:
+    if text == "":
+        return ""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and value.lower() in ("null", "none", "~"):
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)  # PyYAML reads 1e-6 (no dot) as a string
+        except ValueError:
+            pass
+    return value
+
+
+# ----------------------------------------------------------------------------- translating
+
+
+def translate(verl: dict[str, Any]) -> Translation:
+    """verl settings {dotted key: value} -> Translation (pure; reads train files to count rows)."""
+    t = Translation()
+    given = dict(verl)
+    merged = {**VERL_DEFAULTS, **given}
+
+    def src(key: str) -> str:
+        return f"verl {key}={_flow(given[key])}" if key in given else f"verl's default {key}={_flow(merged[key])}"
+
+    t.nnodes = int(merged.get("trainer.nnodes") or 1)
+    t.world_size = int(merged.get("trainer.n_gpus_per_node") or 1) * t.nnodes
+    handled = set()
+    for key, value in merged.items():
+        if key in DIRECT:
+            t.set(DIRECT[key], value, src(key))
+            handled.add(key)
+    handled |= _translate_special(merged, given, t, src)
+    for key, value in given.items():
+        if key in handled or key in SPECIAL:
+            continue
+        reason = _ignored_reason(key)
+        if reason:
+            t.ignored.append((f"{key}={_flow(value)}", reason))
+        else:
+            t.unsupported.append((f"{key}={_flow(value)}", "no rlstack equivalent"))
+    return t
+
+
+def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    handled: set[str] = set()
+    n = int(merged[ROLLOUT + "n"])
+    # --- algorithm and critic
+    estimator = merged["algorithm.adv_estimator"]
+    if estimator == "grpo" and merged.get("algorithm.norm_adv_by_std_in_grpo") is False:
+        t.set("algorithm.adv_estimator", "drgrpo", src("algorithm.adv_estimator") +
+              " with norm_adv_by_std_in_grpo=False (Dr.GRPO)")
+    elif estimator in ESTIMATORS:
+        t.set("algorithm.adv_estimator", ESTIMATORS[estimator], src("algorithm.adv_estimator"))
+    else:
+        t.unsupported.append((f"algorithm.adv_estimator={estimator}", "estimator not in rlstack: "
+                              f"use one of {', '.join(sorted(set(ESTIMATORS.values())))}"))
+    handled |= {"algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"}
+    critic_path = given.get("critic.model.path")
+    if critic_path is not None or estimator == "gae":
+        why = src("critic.model.path") if critic_path is not None else src("algorithm.adv_estimator")
+        t.set("algorithm.name", "ppo", why + " (PPO with a critic)")
+        if critic_path is not None and critic_path != merged.get(MODEL + "path"):
+            t.set("model.critic_path", critic_path, src("critic.model.path"))
+    else:
+        t.set("algorithm.name", "grpo", src("algorithm.adv_estimator") + " (critic-free)")
+    if t.values["algorithm.name"] != "ppo":
+        t.values.pop("algorithm.value_clip", None)  # verl's critic default means nothing without one
+        t.sources.pop("algorithm.value_clip", None)
+    handled.add("critic.model.path")
+    if ACTOR + "clip_ratio" in given:
+        for side in ("low", "high"):
+            if ACTOR + f"clip_ratio_{side}" not in given:
+                t.set(f"algorithm.clip_ratio_{side}", given[ACTOR + "clip_ratio"], src(ACTOR + "clip_ratio"))
+    handled.add(ACTOR + "clip_ratio")
+    _shared(merged, given, t, src, ACTOR + "ppo_epochs", "critic.ppo_epochs", "algorithm.ppo_epochs")
+    _shared(merged, given, t, src, ACTOR + "grad_clip", "critic.grad_clip", "algorithm.clip_grad")
+    _shared(merged, given, t, src, ACTOR + "optim.weight_decay", "critic.optim.weight_decay",
+            "algorithm.weight_decay")
+    _shared(merged, given, t, src, ACTOR + "loss_agg_mode", "critic.loss_agg_mode", "algorithm.loss_agg_mode")
+    handled |= {"critic.ppo_epochs", "critic.grad_clip", "critic.optim.weight_decay", "critic.loss_agg_mode"}
+    # --- schedules
+    for key in (ACTOR + "optim.lr_scheduler_type", ACTOR + "optim.warmup_style"):
+        if given.get(key) is not None:
+            value = given[key]
+            if value in SCHEDULES:
+                t.set("algorithm.lr_schedule", SCHEDULES[value], src(key))
+            else:
+                t.unsupported.append((f"{key}={value}", "rlstack schedules: constant | cosine"))
+            handled.add(key)
+    if "critic.optim.lr_warmup_steps_ratio" in given and ACTOR + "optim.lr_warmup_steps_ratio" not in given:
+        t.set("algorithm.lr_warmup_ratio", given["critic.optim.lr_warmup_steps_ratio"],
+              src("critic.optim.lr_warmup_steps_ratio"))
+    handled.add("critic.optim.lr_warmup_steps_ratio")
+    for key in (ACTOR + "optim.lr_warmup_steps", "critic.optim.lr_warmup_steps"):
+        if key in t.sources and merged[key] is not None and int(merged[key]) < 0:
+            target = DIRECT[key]
+            t.set(target, 0, src(key) + " (-1: use the warm-up ratio)")
+    # --- batch sizes
+    _batch_sizes(merged, given, t, src, n)
+    handled |= {ACTOR + "ppo_mini_batch_size", ACTOR + "ppo_micro_batch_size_per_gpu",
+                ACTOR + "ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+                "critic.ppo_mini_batch_size", ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+                REF + "log_prob_micro_batch_size_per_gpu"}
+    for key in (MODEL + "path", "critic.model.path"):
+        path = given.get(key)
+        if isinstance(path, str) and not os.path.isdir(os.path.expanduser(os.path.expandvars(path))):
+            target = "model.path" if key.startswith(MODEL) else "model.critic_path"
+            if target in t.sources:
+                t.sources[target] += " -- not a local directory here: rlstack downloads nothing, point it at an HF directory"
+    # --- rollout engine
+    engine = given.get(ROLLOUT + "name")
+    if engine is not None:
+        if engine in ENGINES:
+            t.set("rollout.engine", ENGINES[engine], src(ROLLOUT + "name"))
+        else:
+            t.unsupported.append((f"{ROLLOUT}name={engine}", "rlstack engines: vllm | hf"))
+        handled.add(ROLLOUT + "name")
+    if merged.get("trainer.device", "cuda") != "cpu":
+        t.set("model.dtype", "bfloat16", "verl trains and generates in bf16 on GPUs (set float32 on CPUs)")
+    # --- data
+    _data(merged, given, t, src)
+    handled |= {"data.truncation", "data.filter_overlong_prompts"}
+    # --- rewards
+    manager = given.get("reward.reward_manager.name", given.get("reward_model.reward_manager"))
+    if manager is not None:
+        key = "reward.reward_manager.name" if "reward.reward_manager.name" in given else "reward_model.reward_manager"
+        if manager == "batch":
+            t.set("data.reward_fn_batched", True, src(key))
+        elif manager != "naive":
+            t.unsupported.append((f"{key}={manager}", "rlstack calls the function per sample (naive) or "
+                                  "batched (batch)"))
+        handled |= {"reward.reward_manager.name", "reward_model.reward_manager"}
+    if given.get("reward_model.enable") or given.get("reward.reward_model.enable"):
+        t.unsupported.append(("reward_model.enable=True", "model-based rewards are not supported: use a "
+                              "rule or a custom reward function"))
+    handled |= {"reward_model.enable", "reward.reward_model.enable"}
+    # --- trainer
+    _trainer(merged, given, t, src)
+    handled |= {"trainer.logger", "trainer.total_epochs", "trainer.total_training_steps", "trainer.test_freq",
+                "trainer.save_freq", "trainer.resume_mode", "trainer.resume_from_path",
+                "trainer.n_gpus_per_node", "trainer.nnodes"}
+    return handled
+
+
+def _shared(merged, given, t, src, actor_key, critic_key, target) -> None:
+    """rlstack has one value for actor and critic: the actor's wins, a different critic's is noted."""
+    if critic_key in given and actor_key not in given:
+        t.set(target, given[critic_key], src(critic_key))
+    elif critic_key in given and given[critic_key] != merged.get(actor_key):
+        t.unsupported.append((f"{critic_key}={_flow(given[critic_key])}",
+                              f"rlstack uses one {target} for actor and critic: took the actor's"))
+
+
+def _batch_sizes(merged, given, t, src, n: int) -> None:
+    prompts = int(merged["data.train_batch_size"])
+    mini_key = ACTOR + "ppo_mini_batch_size"
+    mini = int(merged[mini_key])
+    if mini >= prompts:
+        t.set("algorithm.mini_batch_size", 0, src(mini_key) + " prompts >= the train batch: one optimizer "
+              "step per batch")
+    else:
+        t.set("algorithm.mini_batch_size", mini * n, src(mini_key) + f" prompts x rollout.n={n} = "
+              f"{mini * n} sequences")
+    critic_mini = given.get("critic.ppo_mini_batch_size")
+    if critic_mini is not None and int(critic_mini) != mini:
+        t.unsupported.append((f"critic.ppo_mini_batch_size={critic_mini}", "rlstack uses one mini-batch "
+                              "size for actor and critic: took the actor's"))
+    micro_key = ACTOR + "ppo_micro_batch_size_per_gpu"
+    micro = given.get(micro_key)
+    if micro is not None:
+        t.set("algorithm.micro_batch_size", int(micro), src(micro_key) + " (per rank, as in rlstack)")
+    elif given.get(ACTOR + "ppo_micro_batch_size") is not None:
+        total = int(given[ACTOR + "ppo_micro_batch_size"])
+        per_rank = max(1, total // t.world_size)
+        t.set("algorithm.micro_batch_size", per_rank, src(ACTOR + "ppo_micro_batch_size") +
+              f" over {t.world_size} GPUs")
+    others = [k for k in ("critic.ppo_micro_batch_size_per_gpu", ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+                          REF + "log_prob_micro_batch_size_per_gpu") if k in given]
+    if "algorithm.micro_batch_size" not in t.values and others:
+        t.set("algorithm.micro_batch_size", int(given[others[0]]), src(others[0]))
+    chosen = t.values.get("algorithm.micro_batch_size")
+    for key in others:
+        if int(given[key]) != chosen:
+            t.ignored.append((f"{key}={given[key]}", f"rlstack uses one micro-batch size "
+                              f"(algorithm.micro_batch_size={chosen}) for every pass"))
+
+
+def _data(merged, given, t, src) -> None:
+    truncation = given.get("data.truncation", "error")
+    if given.get("data.filter_overlong_prompts"):
+        t.set("data.truncation", "drop", src("data.filter_overlong_prompts") + " (too-long prompts are dropped)")
+    elif truncation == "error":
+        if "data.truncation" in given:
+            t.set("data.truncation", "error", src("data.truncation"))
+    else:
+        t.unsupported.append((f"data.truncation={truncation}", "rlstack never cuts a prompt: it stops "
+                              "(error) or drops it (data.filter_overlong_prompts=True)"))
+
+
+def _trainer(merged, given, t, src) -> None:
+    loggers = merged["trainer.logger"]
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    trackers = []
+    for name in loggers:
+        if name in TRACKERS:
+            trackers.append(TRACKERS[name])
+        else:
+            t.unsupported.append((f"trainer.logger={name}", f"rlstack trackers: {', '.join(sorted(TRACKERS))}"))
+    if "jsonl" not in trackers:
+        trackers.append("jsonl")  # rlstack's metrics.jsonl: plot and benchmarks read it
+    t.set("logging.trackers", trackers, src("trainer.logger") + " (+ jsonl, rlstack's metrics file)")
+    if given.get("trainer.total_training_steps") is not None:
+        t.set("trainer.total_steps", int(given["trainer.total_training_steps"]), src("trainer.total_training_steps"))
+    else:
+        epochs = int(merged["trainer.total_epochs"])
+        rows = _count_rows(merged.get("data.train_files"))
+        batch = int(merged["data.train_batch_size"])
+        if rows is None:
+            t.unsupported.append((f"trainer.total_epochs={epochs}", "the train files cannot be read here to "
+                                  "count rows: set trainer.total_steps = epochs x rows // data.train_batch_size"))
+        else:
+            steps = max(1, epochs * (rows // batch))
+            t.set("trainer.total_steps", steps, src("trainer.total_epochs") +
+                  f" x ({rows} rows // {batch} prompts), as verl's drop-last loader")
+    for verl_key, target in (("trainer.test_freq", "trainer.val_every"), ("trainer.save_freq", "checkpoint.save_every")):
+        if verl_key in given:
+            value = int(given[verl_key])
+            t.set(target, max(value, 0), src(verl_key) + (" (-1: never)" if value < 0 else ""))
+    mode = given.get("trainer.resume_mode")
+    if mode is not None:
+        if mode == "auto":
+            t.set("checkpoint.resume", "auto", src("trainer.resume_mode"))
+        elif mode == "disable":
+            t.set("checkpoint.resume", "never", src("trainer.resume_mode"))
+        elif mode == "resume_path" and given.get("trainer.resume_from_path"):
+            t.set("checkpoint.resume", given["trainer.resume_from_path"], src("trainer.resume_from_path") +
+                  " (an rlstack checkpoint directory: verl's checkpoints do not load)")
+        else:
+            t.unsupported.append((f"trainer.resume_mode={mode}", "use auto, disable or resume_path with "
+                                  "trainer.resume_from_path"))
+    project, name = given.get("trainer.project_name"), given.get("trainer.experiment_name")
+    if project or name:
+        t.set("trainer.output_dir", os.path.join("outputs", str(project or "rlstack"), str(name or "run")),
+              "outputs/<trainer.project_name>/<trainer.experiment_name>")
+
+
+def _count_rows(files: Any) -> Optional[int]:
+    """Rows in the train files (parquet metadata, json/jsonl records); None when one is unreadable."""
+    if not files:
+        return None
+    files = [files] if isinstance(files, str) else list(files)
+    total = 0
+    for path in files:
+        path = os.path.expanduser(os.path.expandvars(str(path)))
+        try:
+            if path.endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                total += pq.ParquetFile(path).metadata.num_rows
+            elif path.endswith(".jsonl"):
+                with open(path) as f:
+                    total += sum(1 for line in f if line.strip())
+            elif path.endswith(".json"):
+                import json
+
+                with open(path) as f:
+                    total += len(json.load(f))
+            else:
+                return None
+        except (OSError, ValueError, ImportError):
+            return None
+    return total
+
+
+def _ignored_reason(key: str) -> Optional[str]:
+    for prefix, reason in IGNORED_PREFIXES.items():
+        if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
+            return reason
+    return None
+
+
+# ----------------------------------------------------------------------------- hints
+
+
+def rlstack_name_for(verl_key: str) -> Optional[str]:
+    """rlstack's key for a verl key (for config's "did you mean"), or None when verl has no such key."""
+    if verl_key in DIRECT:
+        return DIRECT[verl_key]
+    if verl_key in SPECIAL:
+        return SPECIAL[verl_key]
+    reason = _ignored_reason(verl_key)
+    return f"nothing: {reason}" if reason else None
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def to_yaml_text(t: Translation, command: str = "") -> str:
+    """The rlstack YAML, sections in rlstack's order, one comment per translated key."""
+    from rlstack.config import ExperimentConfig, all_config_keys
+
+    order = all_config_keys(ExperimentConfig)
+    lines = ["# Translated from a verl main_ppo command line by python -m rlstack.from_verl.",
+             f"# Launch on {t.world_size} GPU(s): torchrun --nnodes={t.nnodes} "
+             f"--nproc_per_node={t.world_size // max(t.nnodes, 1)} -m rlstack.train --config THIS_FILE",
+             f"# Check anywhere first: python -m rlstack.train --config THIS_FILE --validate-only "
+             f"--world-size {t.world_size}"]
+    if command:
+        lines.append(f"# verl: {command}")
+    section = None
+    for key in sorted(t.values, key=lambda k: order.index(k) if k in order else len(order)):
+        head, leaf = key.split(".", 1)
+        if head != section:
+            lines += ["", f"{head}:"]
+            section = head
+        lines.append(f"  {leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
+    if t.ignored:
+        lines += ["", "# Not needed in rlstack (no effect on what it computes):"]
+        lines += [f"#   {item}: {why}" for item, why in t.ignored]
+    if t.unsupported:
+        lines += ["", "# UNSUPPORTED (not translated; the run will differ from verl's here):"]
+        lines += [f"#   {item}: {why}" for item, why in t.unsupported]
+    return "\n".join(lines) + "\n"
+
+
+def _flow(value: Any) -> str:
+    """A value as one line of YAML flow style."""
+    return yaml.safe_dump([value], default_flow_style=True, width=10 ** 9).strip()[1:-1]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlstack.from_verl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the YAML here (default: stdout)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when some key is unsupported")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="verl key=value ...")
+    args = parser.parse_args(argv)
+    tokens = [tok for tok in args.overrides if tok != "--"]
+    verl = parse_command_line(tokens)
+    if not verl:
+        print("from_verl: no verl key=value given: pass main_ppo's overrides, e.g. "
+              "data.train_files=train.parquet actor_rollout_ref.model.path=MODEL", file=sys.stderr)
+        return 2
+    t = translate(verl)
+    text = to_yaml_text(t, " ".join(f"{k}={_flow(v)}" for k, v in verl.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}: {len(t.values)} rlstack keys, {len(t.ignored)} ignored, "
+              f"{len(t.unsupported)} unsupported", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    for item, why in t.unsupported:
+        print(f"UNSUPPORTED {item}: {why}", file=sys.stderr)
+    return 1 if args.strict and t.unsupported else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

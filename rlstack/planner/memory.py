@@ -1,0 +1,253 @@
+"""Pure byte counts: parameters per pipeline stage, training state, activations, log-prob temps, KV cache.
+
+Every function takes plain numbers and returns bytes (or a parameter count). The formulas follow
+what rlstack's code paths allocate (megatron local/TE layer specs, megatron DDP with fp32 gradient
+buffers, megatron's optimizer over torch Adam, `workers/logprobs.py`); Megatron-LM's
+`megatron/training/theoretical_memory_usage.py` (Korthikanti et al. 2022, Table 2) is the reference
+for the training side. Shape comments use t = tensor parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a decoder-only transformer that memory depends on."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int  # megatron's padding for this TP (a multiple of 128 x TP)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def layer_params(s: Shape, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (norms are replicated, the rest split)."""
+    qkv = s.hidden_size * (s.q_size + 2 * s.kv_size)  # fused linear_qkv [(q + 2kv)/t, h]
+    qkv_bias = (s.q_size + 2 * s.kv_size) if s.qkv_bias else 0  # column-parallel bias: split too
+    proj = s.q_size * s.hidden_size  # linear_proj [h, q/t]
+    mlp = 3 * s.hidden_size * s.ffn_hidden_size  # SwiGLU: fc1 [2f/t, h] + fc2 [h, f/t]
+    norms = 2 * s.hidden_size
+    return (qkv + qkv_bias + proj + mlp) // tp + norms
+
+
+def stage_params(s: Shape, tp: int, pp: int, stage: int, value_head: bool = False) -> int:
+    """Parameters held by pipeline stage `stage` on one TP rank.
+
+    The first stage holds the word embedding, the last the final norm and the output layer: an
+    untied LM head, a second copy of a tied embedding when PP > 1 (megatron keeps one on the last
+    stage and all-reduces its gradient), or the critic's scalar value head.
+    """
+    assert s.num_layers % pp == 0, "layers must divide by PP (ParallelDims.check_model)"
+    embedding = s.padded_vocab_size * s.hidden_size // tp
+    params = layer_params(s, tp) * (s.num_layers // pp)
+    if stage == 0:
+        params += embedding
+    if stage == pp - 1:
+        params += s.hidden_size  # final norm
+        if value_head:
+            params += s.hidden_size
+        elif not s.tie_word_embeddings or pp > 1:
+            params += embedding
+    return params
+
+
+def total_params(s: Shape) -> int:
+    """The model's parameter count (unpadded vocabulary, tied embedding counted once)."""
+    embedding = s.vocab_size * s.hidden_size
+    head = 0 if s.tie_word_embeddings else embedding
+    return layer_params(s, 1) * s.num_layers + embedding + head + s.hidden_size
+
+
+# ----------------------------------------------------------------------------- training state
+
+
+def weight_bytes(params: int, param_bytes: int) -> int:
+    return params * param_bytes
+
+
+def grad_bytes(params: int) -> int:
+    """megatron DDP's gradient buffer: fp32 (`grad_reduce_in_fp32=True`), the full stage on every rank.
+
+    The distributed optimizer reduce-scatters inside this buffer; it does not shrink it.
+    """
+    return params * 4
+
+
+def optimizer_bytes(params: int, mixed_precision: bool, dp: int, distributed: bool) -> int:
+    """Adam's two fp32 moments, plus fp32 main params when the model is bf16/fp16.
+
+    With the distributed optimizer (ZeRO-1) each DP rank keeps 1/dp of this state.
+    """
+    per_param = 8 + (4 if mixed_precision else 0)
+    shard = math.ceil(params / dp) if distributed else params
+    return shard * per_param
+
+
+def adam_step_temp_bytes(params: int, dp: int, distributed: bool) -> int:
+    """torch's foreach Adam (megatron's fallback without Apex/TE) allocates sqrt(v): one fp32 copy.
+
+    Fused Adam (Apex or TE, on GPU clusters) needs none; counting it keeps the plan an upper bound.
+    """
+    return (math.ceil(params / dp) if distributed else params) * 4
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One micro-batch: `batch` sequences of `seq_len` tokens (prompt + response, padded)."""
+
+    batch: int
+    seq_len: int
+
+    @property
+    def count(self) -> int:
+        return self.batch * self.seq_len
+
+
+def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool) -> int:
+    """Tensors one layer saves for backward, for one micro-batch (no sequence parallel).
+
+    Per token: two RMSNorms (input and normalised output kept: 2h each), the qkv and fc1 linear
+    inputs are those outputs; q, k, v and the attention context (unfused attention repeats k and v
+    to every head for GQA: q_size each); SwiGLU keeps fc1's output (2f), silu's output (f) and the
+    product fed to fc2 (f). Unfused attention (megatron's local spec, the CPU path) also keeps the
+    fp32 softmax [b, heads/t, s, s] (plus its cast to bf16/fp16); fused/flash attention (TE) keeps
+    only its output and a log-sum-exp per row.
+    """
+    kv = s.kv_size if fused_attention else s.q_size
+    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 4 * s.ffn_hidden_size // tp) * act_bytes
+    per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
+    total = per_token * mb.count
+    if not fused_attention:
+        total += attention_scores_bytes(s, tp, mb, act_bytes)
+    return total
+
+
+def attention_scores_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int) -> int:
+    """Unfused attention's softmax [b, heads/t, s, s]: fp32 (attention_softmax_in_fp32) + a cast copy."""
+    elems = mb.batch * (s.num_attention_heads // tp) * mb.seq_len ** 2
+    return elems * (4 + (act_bytes if act_bytes != 4 else 0))
+
+
+def training_activation_bytes(s: Shape, tp: int, pp: int, mb: Tokens, act_bytes: int, fused_attention: bool,
+                              recompute: bool, in_flight: int) -> int:
+    """Activations a pipeline stage holds at the peak of backward.
+
+    Without recompute every layer's saved tensors stay until its backward. With megatron's full
+    uniform recompute (1 layer per checkpoint) only each layer's input [s, b, h] stays, and one
+    layer's tensors are rebuilt at a time. 1F1B keeps `in_flight` (min(micro-batches, pp))
+    micro-batches alive on the first stage. The embedding output and final norm add a few [s, b, h].
+    """
+    layers = s.num_layers // pp
+    one_layer = layer_activation_bytes(s, tp, mb, act_bytes, fused_attention)
+    hidden = mb.count * s.hidden_size * act_bytes  # one [s, b, h]
+    if recompute:
+        per_micro_batch = layers * hidden + one_layer
+    else:
+        per_micro_batch = layers * one_layer
+    return in_flight * (per_micro_batch + 3 * hidden)
+
+
+def forward_only_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool) -> int:
+    """Scoring forward (no_grad): nothing is saved; one layer's working set is alive at a time."""
+    return layer_activation_bytes(s, tp, mb, act_bytes, fused_attention)
+
+
+def scores_buffer_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool) -> int:
+    """Unfused attention writes q.k^T into megatron's global memory buffer [b*heads/t, s, s], kept for reuse."""
+    if fused_attention:
+        return 0
+    return mb.batch * (s.num_attention_heads // tp) * mb.seq_len ** 2 * act_bytes
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def logits_elems(s: Shape, tp: int, mb: Tokens) -> int:
+    """Elements of one micro-batch's vocab-parallel logits [b, s, V/t] (every position, padded vocab)."""
+    return mb.count * (s.padded_vocab_size // tp)
+
+
+def logprob_train_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, temperature: float) -> int:
+    """Peak of `vocab_parallel_logprobs(..., with_entropy=True)` with grad (the actor's update).
+
+    Forward peak, per logit: the model's logits (act dtype) and their fp32 copy (bf16 only), the
+    fp32 division by the temperature (when != 1), `shifted`, `exp`, the entropy's `exp > 0` mask (1
+    byte), `exp * shifted`, `zeros_like(exp)` and the `where` result: the backward then holds about
+    as much (shifted, exp and the mask saved, plus three to four fp32 gradients of the same shape).
+    """
+    per_elem = act_bytes + 4 * 5 + 1
+    if act_bytes != 4:
+        per_elem += 4  # logits.float()
+    if temperature != 1.0:
+        per_elem += 4  # logits / temperature
+    return logits_elems(s, tp, mb) * per_elem
+
+
+def logprob_forward_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, temperature: float) -> int:
+    """Peak of a forward-only log-prob (reference / old log-probs): logits, [fp32 copy], [/T], shifted, exp."""
+    per_elem = act_bytes + 4 * 2
+    if act_bytes != 4:
+        per_elem += 4
+    if temperature != 1.0:
+        per_elem += 4
+    return logits_elems(s, tp, mb) * per_elem
+
+
+def value_head_bytes(mb: Tokens) -> int:
+    """The critic's values [b, s] and their fp32 loss temporaries: a handful of [b, s] tensors."""
+    return mb.count * 4 * 8
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+def kv_bytes_per_token(s: Shape, rollout_tp: int, kv_bytes: int) -> int:
+    """K and V of every layer for one token on one rollout rank (vLLM replicates KV heads below TP)."""
+    kv_heads = max(1, s.num_query_groups // rollout_tp)
+    return 2 * s.num_layers * kv_heads * s.head_dim * kv_bytes
+
+
+def kv_cache_bytes(s: Shape, rollout_tp: int, kv_bytes: int, num_seqs: int, max_model_len: int) -> int:
+    """KV cache for `num_seqs` sequences of `max_model_len` tokens, all resident at once."""
+    return kv_bytes_per_token(s, rollout_tp, kv_bytes) * num_seqs * max_model_len
+
+
+def prefill_bytes(s: Shape, batch: int, prompt_len: int, act_bytes: int) -> int:
+    """A transformers prefill (no_grad): one layer's working set, with the [b, heads, s, s] scores."""
+    tokens = batch * prompt_len
+    per_token = (4 * s.hidden_size + 3 * s.ffn_hidden_size + s.q_size + 2 * s.kv_size) * act_bytes
+    scores = batch * s.num_attention_heads * prompt_len ** 2 * 4
+    return tokens * per_token + scores
+
+
+def vllm_profile_bytes(s: Shape, rollout_tp: int, max_num_seqs: int, max_batched_tokens: int,
+                       act_bytes: int) -> int:
+    """vLLM's own activation peak inside its share: a prefill chunk's MLP and the sampler's fp32 logits."""
+    prefill = max_batched_tokens * (2 * s.hidden_size + 3 * s.ffn_hidden_size // rollout_tp) * act_bytes
+    sampler = max_num_seqs * (s.padded_vocab_size // rollout_tp) * 4 * 2
+    return prefill + sampler

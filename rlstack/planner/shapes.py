@@ -1,0 +1,80 @@
+"""The model's shape from its config.json alone (no weights), as `megatron_bridge.hf_config.ModelArgs`.
+
+`model.path: default` uses the embedded SmolLM2-135M-Instruct's config.json (the numbers in
+docs/bridge.md), `tiny` the config's `model.tiny` shape, anything
+else `<model.path>/config.json`, or the file passed as `--model-config`. There is no silent
+fallback: a missing config.json is a user error that names both fixes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megatron_bridge.hf_config import read_config_file
+from rlstack.errors import UserError
+from rlstack.planner.memory import Shape
+
+# config.json of SmolLM2-135M-Instruct (the embedded default), the fields ModelArgs reads.
+SMOLLM2_135M_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+}
+
+
+def tiny_hf_config(tiny) -> dict:
+    """The config.json `megatron_bridge.tiny` writes for a `model.tiny` section (300-token vocabulary)."""
+    from megatron_bridge.tiny import TOKENIZER_VOCAB, TinySpec
+
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[tiny.arch]
+    return {
+        "architectures": [arch], "hidden_size": tiny.hidden_size, "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_layers, "num_attention_heads": tiny.num_attention_heads,
+        "num_key_value_heads": tiny.num_key_value_heads, "vocab_size": TOKENIZER_VOCAB,
+        "tie_word_embeddings": tiny.tie_word_embeddings,
+        "max_position_embeddings": TinySpec.max_position_embeddings,
+    }
+
+
+def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[dict, str]:
+    """(config.json as a dict, where it came from) for the configured model."""
+    if model_config_file:
+        return read_config_file(model_config_file), model_config_file
+    if model_cfg.path == "tiny":
+        return tiny_hf_config(model_cfg.tiny), "model.tiny"
+    if model_cfg.path == "default":
+        from megatron_bridge.default_model import default_model_dir
+
+        cached = os.path.join(default_model_dir(model_cfg.cache_dir), "config.json")
+        if os.path.isfile(cached):
+            return read_config_file(cached), cached
+        return dict(SMOLLM2_135M_CONFIG), "embedded SmolLM2-135M-Instruct config"
+    path = os.path.join(model_cfg.path, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
+                        f"or pass --model-config FILE (a config.json; tests/assets/model_configs/ has Qwen2's)")
+    return read_config_file(path), path
+
+
+def model_config_present(model_cfg) -> bool:
+    """`default` and `tiny` always have a shape; an HF directory needs its config.json."""
+    return model_cfg.path in ("default", "tiny") or os.path.isfile(os.path.join(model_cfg.path, "config.json"))
+
+
+def model_args(hf: dict, source: str):
+    """ModelArgs from a config.json dict (InputError naming `source` when it is incomplete or unsupported)."""
+    from megatron_bridge.hf_config import ModelArgs
+
+    return ModelArgs.from_hf_config(hf, source)
+
+
+def shape_of(args, tp: int, make_vocab_size_divisible_by: int) -> Shape:
+    return Shape(
+        hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        head_dim=args.head_dim, vocab_size=args.vocab_size,
+        padded_vocab_size=args.padded_vocab_size(tp, make_vocab_size_divisible_by),
+        tie_word_embeddings=args.tie_word_embeddings, qkv_bias=args.qkv_bias,
+    )

