@@ -157,19 +157,22 @@ def check_resume(args, checks: Checks, first: list[dict], env: dict) -> None:
 
 
 def measured_peak_gib(rows: list[dict], mode: str) -> float:
-    key = "mem/gpu_peak_gib" if mode == "gpu" else "mem/rss_peak_gib"
+    key = "mem/gpu_peak_gib" if mode == "gpu" else "mem/rss_peak_gib"  # per rank (rank 0's process)
     return max((r.get(key, 0.0) for r in rows), default=0.0)
 
 
 def check_planner(args, checks: Checks, rows: list[dict], env: dict) -> None:
-    if importlib.util.find_spec("rlstack.plan") is None:
+    # this checkout's file, not whatever `rlstack` an installed environment would import
+    if not os.path.isfile(os.path.join(ROOT, "rlstack", "plan.py")):
         print("planner: not present", flush=True)
         checks.results["planner"] = {"ok": True, "detail": "not present"}
         return
-    memory = args.gpu_memory_gib or _device_memory_gib(args.mode)
+    memory = args.gpu_memory_gib or _device_memory_gib(args.mode, args.nproc)
     cmd = [sys.executable, "-m", "rlstack.plan", "--config", args.config, "algorithm.name=ppo",
            "model.dtype=bfloat16", *args.overrides, "--world-size", str(args.nproc),
-           "--gpu-memory-gib", f"{memory:g}", "--json"]
+           "--gpu-memory-gib", f"{memory:.1f}", "--device", args.mode, "--json"]
+    if args.mode == "gpu" and importlib.util.find_spec("transformer_engine") is None:
+        cmd.append("--unfused-attention")  # megatron's local spec materialises attention scores
     rc, text = _run(cmd, os.path.join(args.out_dir, "plan.log"), env, 300)
     measured = measured_peak_gib(rows, args.mode)
     predicted = _plan_peak_gib(text)
@@ -192,12 +195,13 @@ def _plan_peak_gib(text: str):
     return None
 
 
-def _device_memory_gib(mode: str) -> float:
+def _device_memory_gib(mode: str, nproc: int) -> float:
+    """One GPU's memory, or on CPU the host's memory shared by the ranks."""
     if mode == "gpu":
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / nproc
 
 
 def report_speed(checks: Checks, rows: list[dict]) -> None:
