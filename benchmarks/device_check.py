@@ -141,6 +141,17 @@ def check_resume(args, checks: Checks, first: list[dict], env: dict) -> None:
                            ["checkpoint.save_every=0", f"checkpoint.resume={ckpt}"], "resume.log")
     loaded = f"resumed from {ckpt} at step {saved_at}" in text
     expected = {r["step"]: r for r in first if r["step"] > saved_at}
+    worst, where, outside = compare_steps(expected, rows, args.resume_rtol, args.resume_atol)
+    steps_ok = sorted(r["step"] for r in rows) == sorted(expected)
+    checks.record("checkpoint", rc == 0 and loaded and steps_ok and not outside,
+                  f"dist checkpoint of step {saved_at} saved and loaded: {loaded}; steps {[r['step'] for r in rows]} "
+                  f"repeat the first run's with max relative difference {worst:.2e}"
+                  f"{' (' + where + ')' if where else ''}; outside rtol {args.resume_rtol:g} / atol "
+                  f"{args.resume_atol:g}: {outside or 'none'}", max_rel_diff=worst)
+
+
+def compare_steps(expected: dict[int, dict], rows: list[dict], rtol: float, atol: float):
+    """(largest relative difference, where, keys outside atol + rtol*|expected|) over non-volatile metrics."""
     worst, where, outside = 0.0, "", []
     for r in rows:
         for key, value in r.items():
@@ -151,14 +162,9 @@ def check_resume(args, checks: Checks, first: list[dict], env: dict) -> None:
             if rel > worst:
                 worst, where = rel, f"{key} at step {r['step']}"
             # atol: the policy-gradient loss cancels to ~1e-7, where any kernel difference shows
-            if abs(value - ref) > args.resume_atol + args.resume_rtol * abs(ref):
+            if abs(value - ref) > atol + rtol * abs(ref):
                 outside.append(f"{key}@{r['step']}")
-    steps_ok = sorted(r["step"] for r in rows) == sorted(expected)
-    checks.record("checkpoint", rc == 0 and loaded and steps_ok and not outside,
-                  f"dist checkpoint of step {saved_at} saved and loaded: {loaded}; steps {[r['step'] for r in rows]} "
-                  f"repeat the first run's with max relative difference {worst:.2e}"
-                  f"{' (' + where + ')' if where else ''}; outside rtol {args.resume_rtol:g} / atol "
-                  f"{args.resume_atol:g}: {outside or 'none'}", max_rel_diff=worst)
+    return worst, where, outside
 
 
 def measured_peak_gib(rows: list[dict], mode: str) -> float:
