@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=N benchmarks/collectives_check.py [--tp T --pp P]
 
-Under NCCL (a GPU) the default group is `cpu:gloo,cuda:nccl` (rlstack.parallel): this checks the
+Under NCCL (a GPU) the default group is `cpu:gloo,cuda:nccl` (megatron_bridge.parallel): this checks the
 helpers move CUDA tensors, that a CPU tensor still reduces over the gloo half, and that an object
 broadcast and gather work. On CPU the same script runs on gloo. Prints one `collectives: ok` line
 (or raises, naming the helper and group).

@@ -39,7 +39,7 @@ if [ "$MODE" = gpu ]; then
   "$PY" -c "import torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name(0))" \
     || { echo "gpu_check: needs a CUDA device and torch (bash benchmarks/gpu_check.sh --cpu runs the CPU version)"; exit 2; }
   NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-  SHAPE=qwen2-0.5b; THREADS=4; RESUME_RTOL=5e-2; BENCH=${BENCH:-1}
+  SHAPE=qwen2-0.5b; THREADS=4; RESUME_TOL=(--resume-rtol 5e-2 --resume-atol 1e-5); BENCH=${BENCH:-1}
   # 64 prompts x 256 new tokens: four PPO steps, the resume, the micro-benchmarks and ceilings fit the time
   SIZES=(data.train_batch_size=64 algorithm.mini_batch_size=32 algorithm.micro_batch_size=8
          rollout.micro_batch_size=64 rollout.max_new_tokens=256 data.synthetic_train_size=512)
@@ -47,7 +47,7 @@ else
   "$PY" -c "import torch; print('torch', torch.__version__, '(CPU mode)')" || { echo "gpu_check: no torch"; exit 2; }
   NPROC=2
   # same machine, same layout: the resumed steps must repeat the first run's exactly
-  SHAPE=qwen2-tiny; THREADS=1; RESUME_RTOL=0; BENCH=${BENCH:-0}
+  SHAPE=qwen2-tiny; THREADS=1; RESUME_TOL=(--resume-rtol 0 --resume-atol 0); BENCH=${BENCH:-0}
   SIZES=(data.train_batch_size=8 algorithm.mini_batch_size=4 algorithm.micro_batch_size=2
          rollout.micro_batch_size=8 rollout.max_new_tokens=8 rollout.n=2 data.synthetic_train_size=64)
 fi
@@ -90,7 +90,7 @@ OVERRIDES=(model.path="$MODEL" rollout.engine=hf data.train_files=[] data.val_fi
            "${SIZES[@]}")
 say "checks ($MODE, $NPROC ranks; logs under $OUT_DIR/check)"
 "$PY" benchmarks/device_check.py --mode "$MODE" --config "$CONFIG" --nproc "$NPROC" --steps 4 \
-  --threads "$THREADS" --resume-rtol "$RESUME_RTOL" --out-dir "$OUT_DIR/check" "${OVERRIDES[@]}"
+  --threads "$THREADS" "${RESUME_TOL[@]}" --out-dir "$OUT_DIR/check" "${OVERRIDES[@]}"
 rc=$?
 
 if [ "$BENCH" = 1 ]; then
