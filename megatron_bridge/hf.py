@@ -166,8 +166,11 @@ def load_hf_weights(model, hf_dir: str, args, groups, te_spec: Optional[bool] = 
 
 
 def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float32, value_head: bool = False,
-                           recompute: bool = False):
-    """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args)."""
+                           recompute: bool = False, value_head_seed: int = 0):
+    """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args).
+
+    With `value_head`, the last stage's scalar head is initialised from `value_head_seed` (the HF
+    checkpoint has no such head)."""
     from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
     args = read_model_args(hf_dir)
@@ -179,7 +182,7 @@ def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float
     has_value_head = isinstance(getattr(model, "output_layer", None), ValueHead)
     load_hf_weights(model, hf_dir, args, groups, skip=("output_layer.weight",) if has_value_head else ())
     if has_value_head:
-        init_value_head_(model.output_layer)
+        init_value_head_(model.output_layer, seed=value_head_seed)
     return model, args
 
 

@@ -185,21 +185,6 @@ def _spans(dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replic
     return tuple(spans)
 
 
-def assemble(tplan: TensorPlan, shard: Callable[[int, int, str], torch.Tensor], reader_tp: int,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Build one engine tensor from Megatron shards (`shard(tp, pp, name)`), following its plan."""
-    if out is None:
-        out = torch.zeros(tplan.shape)
-    for s in tplan.spans:
-        dst = out.narrow(s.axis, s.dst_start, s.length)
-        if s.src is None:
-            dst.zero_()
-        else:
-            tp = reader_tp if s.src_tp is None else s.src_tp
-            dst.copy_(shard(tp, s.src_pp, s.src).narrow(s.axis, s.src_start, s.length))
-    return out
-
-
 # ---------------------------------------------------------------------- execute
 
 @dataclass

@@ -47,7 +47,6 @@ class ModelConfig:
     critic_path: Optional[str] = None  # critic's starting weights; None: the actor's
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
-    make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
     cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
     gradient_checkpointing: bool = False  # megatron full activation recompute in training
 
@@ -147,7 +146,7 @@ class DataConfig:
     max_prompt_length: int = 256  # in tokens, after the chat template
     truncation: str = "error"  # error | drop (dropped rows are counted and reported)
     train_batch_size: int = 8  # prompts per step (over all data-parallel ranks)
-    val_batch_size: int = 64
+    val_batch_size: int = 64  # validation prompts generated at once
     shuffle: bool = True
     seed: int = 0
     reward_fn_file: str = ""  # python file with verl's compute_score signature

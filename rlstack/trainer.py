@@ -14,6 +14,7 @@ no dynamic batch sizing (micro-batches are fixed row counts); the reference is a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -337,7 +338,10 @@ class Trainer:
         from rlstack.data.dataset import val_accuracy
 
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
-        gens, _ = self.generate(prompts, greedy=True)
+        gens, size = [], self.cfg.data.val_batch_size  # prompts generated at once (bounds engine memory)
+        for start in range(0, len(prompts), size):
+            chunk, _ = self.generate(prompts[start:start + size], greedy=True)
+            gens += [dataclasses.replace(g, prompt_index=g.prompt_index + start) for g in chunk]
         metrics = val_accuracy(self._rewards(prompts, gens), [prompts[x.prompt_index].data_source for x in gens])
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})

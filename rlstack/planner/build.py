@@ -73,7 +73,7 @@ def plan_for_config(cfg, world_size: int, gpu_memory_gib: float, device: str = "
     hf, source = hf_config_for(cfg.model, model_config_file)
     args = model_args(hf, source)
     dims = _dims(cfg, world_size, args)
-    shape = shape_of(args, dims.tp, cfg.model.make_vocab_size_divisible_by)
+    shape = shape_of(args, dims.tp)
     if fused_attention is None:
         fused_attention = device == "gpu"
     setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)

@@ -70,11 +70,11 @@ def model_args(hf: dict, source: str):
     return ModelArgs.from_hf_config(hf, source)
 
 
-def shape_of(args, tp: int, make_vocab_size_divisible_by: int) -> Shape:
+def shape_of(args, tp: int) -> Shape:
     return Shape(
         hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         head_dim=args.head_dim, vocab_size=args.vocab_size,
-        padded_vocab_size=args.padded_vocab_size(tp, make_vocab_size_divisible_by),
+        padded_vocab_size=args.padded_vocab_size(tp),  # as the bridge pads it
         tie_word_embeddings=args.tie_word_embeddings, qkv_bias=args.qkv_bias,
     )

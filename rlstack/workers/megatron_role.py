@@ -97,11 +97,7 @@ class MegatronRole:
 
         self.groups = groups
         model, self.args = build_megatron_from_hf(hf_dir, groups, dtype=dtype, value_head=value_head,
-                                                  recompute=recompute)
-        if value_head and groups.is_last_stage:
-            from megatron_bridge.models import init_value_head_
-
-            init_value_head_(model.output_layer, seed=value_head_seed)
+                                                  recompute=recompute, value_head_seed=value_head_seed)
         self.config = model.config
         self.optimizer = None
         self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step

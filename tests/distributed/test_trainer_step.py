@@ -87,3 +87,68 @@ def test_ppo_step_moves_both_roles_and_loss_has_its_kl_term(tmp_path, tiny_cache
     assert m["actor/kl"] > 1e-4
     # Machine-independent: the logged loss is the policy loss plus the weighted KL loss.
     assert m["actor/loss"] == pytest.approx(m["actor/pg_loss"] + coef * m["actor/kl"], rel=1e-5, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------- injected parts, fake engine
+
+
+class _ScriptedEngine:
+    """A rollout engine whose j-th sample of every prompt is the digit j, with log-prob -1."""
+
+    kind, tp_size, tp_rank = "fake", 1, 0
+
+    def __init__(self, digit_ids: list[int]):
+        self.digit_ids, self.calls = digit_ids, 0
+
+    def generate(self, prompts, params):
+        from rlstack.rollout.base import Generation
+
+        self.calls += 1
+        return [Generation(prompt_index=i, prompt_ids=list(p), response_ids=[self.digit_ids[j]], logprobs=[-1.0],
+                           finish_reason="length") for i, p in enumerate(prompts) for j in range(params.n)]
+
+    def close(self):
+        pass
+
+
+class _NoSync:
+    def sync(self):
+        from megatron_bridge.reshard import SyncStats
+
+        return SyncStats(bytes=1)
+
+
+def _one_step_with_fake_engine(out_dir, cache):
+    """Trainer(cfg, groups, parts) with tiny real roles and a scripted engine: one train_step."""
+    import dataclasses
+
+    from rlstack.trainer import Trainer
+
+    cfg, real = _trainer(["data.train_batch_size=2", "algorithm.micro_batch_size=8", "rollout.n=10"], out_dir, cache)
+    real.engine.close()
+    engine = _ScriptedEngine([real.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)])
+    parts = dataclasses.replace(_parts_of(real), engine=engine, weight_sync=_NoSync())
+    trainer = Trainer(cfg, real.groups, parts)
+    before = _flat(trainer.actor.role)
+    metrics = trainer.train_step()
+    return {"calls": engine.calls, "step": trainer.step, "reward": metrics["reward/mean"],
+            "length": metrics["response/length_mean"], "moved": (_flat(trainer.actor.role) - before).abs().max().item(),
+            "rollout_diff": metrics.get("actor/rollout_diff_max"), "state": trainer.checkpoint_parts().step}
+
+
+def _parts_of(trainer):
+    from rlstack.trainer import TrainerParts
+
+    return TrainerParts(trainer.hf_dir, trainer.tokenizer, trainer.train_set, trainer.val_set, trainer.sampler,
+                        trainer.scorer, trainer.actor, trainer.ref, trainer.critic, trainer.engine,
+                        trainer.weight_sync, trainer.kl_ctrl)
+
+
+def test_train_step_runs_on_injected_parts_with_a_fake_engine(tmp_path, tiny_cache):
+    out = run_distributed(_one_step_with_fake_engine, 1, str(tmp_path), tiny_cache, timeout=240)[0]
+    assert out["calls"] == 1 and out["step"] == 1 and out["state"] == 1
+    assert out["length"] == 1.0  # every response is the one scripted token
+    # The copy task's answer is the digit shown: exactly one of the ten scripted samples of a prompt is right.
+    assert out["reward"] == 0.1, out
+    assert out["moved"] > 0  # the actor stepped on the scripted samples
+    assert out["rollout_diff"] > 0.1  # the scripted -1.0 log-probs are not the actor's: the check sees it

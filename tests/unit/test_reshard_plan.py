@@ -9,8 +9,23 @@ import torch
 
 from megatron_bridge import layouts
 from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
-from megatron_bridge.reshard import assemble, plan_reshard
-from megatron_bridge.models import ModelArgs
+from megatron_bridge.hf_config import ModelArgs
+from megatron_bridge.reshard import plan_reshard
+
+
+def assemble(tplan, shard, reader_tp: int, out=None) -> torch.Tensor:
+    """The test's oracle: one engine tensor built from Megatron shards (`shard(tp, pp, name)`) by
+    following its plan's spans, with nothing but narrow/copy (the executor batches the same spans)."""
+    if out is None:
+        out = torch.zeros(tplan.shape)
+    for s in tplan.spans:
+        dst = out.narrow(s.axis, s.dst_start, s.length)
+        if s.src is None:
+            dst.zero_()
+        else:
+            tp = reader_tp if s.src_tp is None else s.src_tp
+            dst.copy_(shard(tp, s.src_pp, s.src).narrow(s.axis, s.src_start, s.length))
+    return out
 
 
 def _args(heads=8, groups=4, vocab=300, tied=True, qkv_bias=False, arch="llama"):
