@@ -79,7 +79,7 @@ def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
     for m, k, n, count in shapes:
         x = torch.randn(m, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear's layout: x @ w.T
-        t = _time_calls(lambda: F.linear(x, w), device)
+        t = _time_calls(lambda x=x, w=w: F.linear(x, w), device)
         f = 2.0 * m * k * n
         per_shape.append({"m": m, "k": k, "n": n, "count": count, "flops_per_s": f / t})
         flops += f * count

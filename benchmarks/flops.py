@@ -30,7 +30,7 @@ class ModelDims:
     vocab: int
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelDims":
+    def from_hf_config(cls, cfg: dict) -> ModelDims:
         heads = cfg["num_attention_heads"]
         return cls(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
                    kv_heads=cfg.get("num_key_value_heads") or heads,

@@ -10,7 +10,7 @@
 # Both modes run yaml_configs/qwen2_0p5b_gsm8k_1gpu.yaml (PPO, bf16) on a random-weight Qwen2 model (no
 # checkpoint can be carried to the GPU machine): Qwen2-0.5B's shape on a GPU, a 2-layer one on CPU, with
 # the transformers rollout engine and synthetic prompts. The GPU machine has torch + CUDA and
-# transformers but no megatron-core, no vLLM and no network (FINDINGS.md): megatron-core is installed
+# transformers but no megatron-core, no vLLM and no network (the project's measurements (docs/)): megatron-core is installed
 # from wheels carried in .whl/ when it is not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """A random-weight HF checkpoint at a real model's shapes, for speed checks where no checkpoint can be had.
 
-Speed does not depend on the weight values (FINDINGS.md: the lent GPU machine cannot receive a real
+Speed does not depend on the weight values (measured here: the lent GPU machine cannot receive a real
 checkpoint), so a Qwen2-0.5B-shaped model with random weights and the tiny locally trained tokenizer
 times every pass at the real shapes. Its vocabulary keeps the real size (151936 rows): ids the small
 tokenizer does not know decode to nothing. A random model almost never samples eos among 151936 ids,

@@ -107,11 +107,11 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     out = {"tokens": tokens, "padded_seq_len": int(batch.tokens.shape[1]),
            "train_rows_per_rank": mbs * int(batch.tokens.shape[1])}
     role = MegatronRole(hf_dir, g, dtype)
-    seconds, _ = timed(lambda: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
+    seconds, _ = timed(lambda role=role: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
     out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del role
     critic = Critic(MegatronRole(cfg.model.critic_path or hf_dir, g, dtype, value_head=True), cfg.algorithm)
-    seconds, _ = timed(lambda: critic.compute_values(batch, mbs), g, args.reps, args.warmup)
+    seconds, _ = timed(lambda critic=critic: critic.compute_values(batch, mbs), g, args.reps, args.warmup)
     out["critic_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del critic
     if g.device.type == "cuda":
@@ -123,10 +123,10 @@ def run(args) -> dict:
     import torch
 
     from megatron_bridge.hf import resolve_model_path
+    from megatron_bridge.parallel import init_distributed
     from rlstack.config import load_config
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
-    from megatron_bridge.parallel import init_distributed
     from rlstack.stages import load_tokenizer
 
     cfg = load_config(args.config, args.overrides)

@@ -20,8 +20,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 DEFAULT_MASTER_PORT = 29500
 # SLURM jobs get a port derived from the job id, so two jobs sharing a node do not collide; the

@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 COMPLETE_MARKER = ".complete"
 

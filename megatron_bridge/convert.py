@@ -13,13 +13,14 @@ checkpoints reshard on load).
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import argparse
 import json
 import os
 import resource
 import sys
 import time
+
+from megatron_bridge.errors import InputError
 
 LAYOUT_FILE = "bridge_layout.json"
 MCORE_SUBDIR, HF_SUBDIR = "mcore", "hf"

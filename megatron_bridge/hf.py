@@ -9,18 +9,27 @@ Process groups come in through `ParallelGroups`; nothing here fetches them from 
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import json
 import os
 import shutil
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 
 from megatron_bridge import layouts
-from megatron_bridge.mappings import (ParamMap, hf_to_megatron_names, is_ignored_hf, layer_offset,
-                                      megatron_to_hf_names, owner_stage, param_maps, to_global_name,
-                                      to_local_name)
+from megatron_bridge.errors import InputError
+from megatron_bridge.mappings import (
+    ParamMap,
+    hf_to_megatron_names,
+    is_ignored_hf,
+    layer_offset,
+    megatron_to_hf_names,
+    owner_stage,
+    param_maps,
+    to_global_name,
+    to_local_name,
+)
 
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth",
                    ".gguf", ".msgpack", ".h5")

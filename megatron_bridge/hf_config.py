@@ -79,7 +79,7 @@ class ModelArgs:
     qkv_bias: bool
 
     @classmethod
-    def from_hf_config(cls, hf: Any, source: str = "config.json") -> "ModelArgs":
+    def from_hf_config(cls, hf: Any, source: str = "config.json") -> ModelArgs:
         """From a transformers config object or its dict (config.json); `source` names it in errors."""
         if isinstance(hf, dict):
             check_hf_config(hf, source)

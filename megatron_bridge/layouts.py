@@ -20,12 +20,13 @@ Layouts (megatron-core 0.16.1, vLLM 0.32):
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
+from megatron_bridge.errors import InputError
 from megatron_bridge.mappings import TRANSFORMS
 
 VLLM_VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE

@@ -17,10 +17,11 @@ embedding from the first stage only, so HF stores the tied weight once.
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import re
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron_bridge.errors import InputError
 
 TRANSFORMS = ("replicate", "column", "row", "vocab", "qkv", "gate_up")
 SUPPORTED = ("llama", "qwen2")

@@ -7,15 +7,13 @@ RoPE with its theta, GQA, optional QKV bias, tied or untied embeddings).
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
-from megatron_bridge.hf_config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: F401 (re-exported)
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+
+from megatron_bridge.hf_config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: F401 (re-exported)
 
 log = logging.getLogger("megatron_bridge")
 
@@ -47,7 +45,9 @@ def layer_spec():
     """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec."""
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     use_te = torch.cuda.is_available() and _have_transformer_engine()
     if not _SPEC_LOGGED:
@@ -101,7 +101,11 @@ def mark_tensor_parallel_(model) -> None:
     shards (optimizer/clip_grads.py via `param_is_not_tensor_parallel_duplicate`).
     """
     from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):

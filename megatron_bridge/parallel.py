@@ -8,11 +8,12 @@ patches). The config-level checks (`check_layout(cfg)`) live in rlstack.parallel
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import datetime
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from megatron_bridge.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def resolve(cls, tp: int, pp: int, dp: int, world_size: int) -> "ParallelDims":
+    def resolve(cls, tp: int, pp: int, dp: int, world_size: int) -> ParallelDims:
         """Fill dp=-1 from the world size; raise ValueError naming the number to change."""
         if tp < 1 or pp < 1:
             raise InputError(f"parallel.tp={tp} and parallel.pp={pp} must be at least 1")

@@ -1,6 +1,6 @@
 """Weight sync: the actor's Megatron TP/PP shards -> the rollout engine's TP layout, in place.
 
-plan -> execute -> transport (STYLE.md 8):
+plan -> execute -> transport (as megatron-core's resharding is laid out):
 - `plan_reshard` (pure data, cached per model and pair of layouts): for every rollout TP rank, each
   engine tensor as `Span`s, runs of rows (or columns) copied from one Megatron TP shard of one
   pipeline stage. The plan is derived by *tracing* `layouts.megatron_shard` / `layouts.vllm_shard`
@@ -18,15 +18,16 @@ parameters (merged `qkv_proj` / `gate_up_proj`, vocabulary padded to 64 and spli
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import functools
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 
 from megatron_bridge import layouts
+from megatron_bridge.errors import InputError
 from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
 
 ENGINE_KINDS = ("hf", "vllm")

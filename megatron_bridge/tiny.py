@@ -7,13 +7,14 @@ that is not a multiple of 128. head_dim is 32 by default because vLLM's CPU atte
 
 from __future__ import annotations
 
-from megatron_bridge.errors import InputError
 import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from megatron_bridge.atomic import build_once
+from megatron_bridge.errors import InputError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as SmolLM2 and Qwen2 use.
@@ -72,10 +73,11 @@ def make_tiny_tokenizer(out_dir: str):
     return hf_tok
 
 
-def make_tiny_checkpoint(out_dir: str, spec: TinySpec = TinySpec()) -> str:
+def make_tiny_checkpoint(out_dir: str, spec: Optional[TinySpec] = None) -> str:
     """Write config.json, model.safetensors and tokenizer files of a random tiny model."""
     import torch
 
+    spec = spec or TinySpec()
     tokenizer = make_tiny_tokenizer(out_dir)
     config = _hf_config(spec, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
     model_cls = _model_class(spec.arch)
@@ -126,8 +128,9 @@ def default_cache_dir() -> str:
     return os.environ.get("RLSTACK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlstack"))
 
 
-def ensure_tiny_checkpoint(spec: TinySpec = TinySpec(), cache_dir: str | None = None) -> str:
+def ensure_tiny_checkpoint(spec: Optional[TinySpec] = None, cache_dir: str | None = None) -> str:
     """The cached checkpoint for `spec`, built once (safe when several ranks call at once)."""
+    spec = spec or TinySpec()
     key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
     return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec),

@@ -17,12 +17,13 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
-
-from megatron_bridge.errors import InputError
+from typing import Optional
 
 import torch
+
+from megatron_bridge.errors import InputError
 
 PROMPTS = (
     "The capital of France is",

@@ -14,7 +14,8 @@ tensors that already live on the model's device.)
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

@@ -20,7 +20,6 @@ from rlstack.algorithms import names as algorithm_names  # torch-free name lists
 from rlstack.errors import UserError
 
 
-
 class ConfigError(UserError):
     """A user mistake in a config file or override; the message names the fix."""
 

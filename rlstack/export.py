@@ -14,7 +14,6 @@ starting HF checkpoint stored inside the checkpoint.
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import argparse
 import dataclasses
 import json
@@ -22,6 +21,8 @@ import logging
 import os
 import sys
 from typing import Optional
+
+from rlstack.errors import UserError
 
 log = logging.getLogger("rlstack")
 
@@ -42,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp: int = 1, pp: int = 1,
                       groups=None) -> dict:
     """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
-    from rlstack.checkpoint import resolve_path
     from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import resolve_path
 
     path = resolve_path(ckpt, "--ckpt")
     with open(os.path.join(path, "trainer_state.json")) as f:

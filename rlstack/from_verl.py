@@ -21,11 +21,11 @@ Written against verl 0.9.1's `verl/trainer/config/_generated_ppo_trainer.yaml`.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import yaml
 

@@ -8,13 +8,14 @@ metrics the run logged) to DIR (default RUN_DIR/plots) and prints each path.
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import argparse
 import json
 import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from rlstack.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 

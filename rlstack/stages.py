@@ -29,21 +29,21 @@ def load_tokenizer(hf_dir: str):
     return tok
 
 
-def sampling_params(cfg: "RolloutConfig", step: int, greedy: bool):
+def sampling_params(cfg: RolloutConfig, step: int, greedy: bool):
     from rlstack.rollout.base import SamplingParams
 
     return SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, greedy=greedy, seed=cfg.seed + SEED_STRIDE * step)
 
 
-def replica_share(num_prompts: int, cfg: "RolloutConfig", groups: "ParallelGroups") -> list[int]:
+def replica_share(num_prompts: int, cfg: RolloutConfig, groups: ParallelGroups) -> list[int]:
     """The prompt indices this rank's rollout replica generates (world / rollout.tp replicas, contiguous)."""
     replicas, replica = groups.dims.world_size // cfg.tp, groups.rank // cfg.tp
     return split_for_rank(list(range(num_prompts)), replica, replicas)
 
 
-def generate(engine: "RolloutEngine", prompts: list, cfg: "RolloutConfig", groups: "ParallelGroups", step: int,
-             greedy: bool, show_progress: bool = False) -> tuple[list["Generation"], float]:
+def generate(engine: RolloutEngine, prompts: list, cfg: RolloutConfig, groups: ParallelGroups, step: int,
+             greedy: bool, show_progress: bool = False) -> tuple[list[Generation], float]:
     """Generate for `prompts` (the same list on every rank), the work split over all ranks.
 
     Each rollout replica (one engine, spanning rollout.tp ranks for vLLM TP) takes a contiguous share,
@@ -63,7 +63,7 @@ def generate(engine: "RolloutEngine", prompts: list, cfg: "RolloutConfig", group
     return gens, float(sum(len(x.response_ids) for x in gens))
 
 
-def _chunks(items: list, n: int, cfg: "RolloutConfig") -> list[list]:
+def _chunks(items: list, n: int, cfg: RolloutConfig) -> list[list]:
     """hf engine: one micro-batch of sequences per call (a progress tick each); vLLM batches all."""
     if not items:
         return []
@@ -71,7 +71,7 @@ def _chunks(items: list, n: int, cfg: "RolloutConfig") -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def dp_share(prompts: list, gens: list["Generation"], groups: "ParallelGroups") -> tuple[list, list["Generation"]]:
+def dp_share(prompts: list, gens: list[Generation], groups: ParallelGroups) -> tuple[list, list[Generation]]:
     """This data-parallel rank's contiguous share of the prompts, and their generations (re-indexed)."""
     share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)
     first, mine = (share[0] if share else 0), set(share)
@@ -79,7 +79,7 @@ def dp_share(prompts: list, gens: list["Generation"], groups: "ParallelGroups") 
             [dataclasses.replace(g, prompt_index=g.prompt_index - first) for g in gens if g.prompt_index in mine])
 
 
-def score(scorer, tokenizer, prompts: list, gens: list["Generation"]) -> list:
+def score(scorer, tokenizer, prompts: list, gens: list[Generation]) -> list:
     """Each response's ScoreResult (rule or custom reward) against its prompt's ground truth."""
     from rlstack.rewards import Sample
 
@@ -90,7 +90,7 @@ def score(scorer, tokenizer, prompts: list, gens: list["Generation"]) -> list:
     return scorer.score_batch(samples)
 
 
-def build_rollout(prompts: list, gens: list["Generation"], scores: list[float], pad_id: int, micro_batch_size: int,
+def build_rollout(prompts: list, gens: list[Generation], scores: list[float], pad_id: int, micro_batch_size: int,
                   device, on_policy: bool) -> Rollout:
     """The padded training batch of this rank's generations."""
     return Rollout.build([prompts[g.prompt_index].input_ids for g in gens], [g.response_ids for g in gens],

@@ -56,7 +56,7 @@ class TrainerParts:
     kl_ctrl: Any
 
 
-def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> "Trainer":
+def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     """Data, scorer, roles, rollout engine and weight sync for `cfg`, on `groups`."""
     from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.reshard import WeightSync

@@ -8,13 +8,12 @@ A rank that raises fails the test with that rank's traceback; a hung world is ki
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
 import traceback
-
-import multiprocessing as mp
 
 
 def free_port() -> int:

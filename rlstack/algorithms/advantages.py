@@ -15,7 +15,8 @@ Catalogue modelled on verl's trainer/ppo/core_algos.py; code written for this pr
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -10,7 +10,7 @@ Controllers: fixed, and the adaptive one of Ziegler et al. 2019 (arXiv:1909.0859
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -12,7 +12,8 @@ Without global counts, `agg_loss` normalises over the tensors it is given (a pla
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor

@@ -6,7 +6,8 @@ and everything after the end of the response. Float masks may hold weights other
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -6,7 +6,6 @@ Every prompt is tokenised (with the model's chat template) and checked against
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, Optional
 from rlstack.data import synthetic
 from rlstack.data.rows import load_rows, row_origin, validate_row
 from rlstack.data.sampler import PromptSampler, val_batches  # noqa: F401  (the trainer's imports)
+from rlstack.errors import UserError
 
 logger = logging.getLogger("rlstack.data")
 TRUNCATION = ("error", "drop")

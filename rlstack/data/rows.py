@@ -9,10 +9,12 @@ is checked before anything trains, and the first problem is one `ValueError` nam
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import json
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
+
+from rlstack.errors import UserError
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column (prompt_key)
 ROLES = ("system", "user", "assistant", "tool")

@@ -10,8 +10,9 @@ a sampler loaded from `state_dict()` continues with exactly the batches the orig
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import numpy as np
+
+from rlstack.errors import UserError
 
 
 class PromptSampler:

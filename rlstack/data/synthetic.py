@@ -10,15 +10,16 @@
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import hashlib
 import random
-from typing import Callable
+from collections.abc import Callable
+
+from rlstack.errors import UserError
 
 SPLITS = ("train", "val")
 VAL_BUCKETS = 5  # one problem text in five belongs to the val split
 # Said to the model in every arith prompt: "####" is what gsm8k strict scoring reads, and a short
-# reasoning keeps SmolLM2 inside a 64-token response (FINDINGS.md: most long answers hit the limit).
+# reasoning keeps SmolLM2 inside a 64-token response (measured here: most long answers hit the limit).
 ARITH_INSTRUCTION = 'Solve it in one short sentence, then write the final answer as a number after "####".'
 
 NAMES = (("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"),

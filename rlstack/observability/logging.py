@@ -8,12 +8,14 @@ Loggers named "rlstack.*" (e.g. "rlstack.monitor") go through the same handlers.
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import logging
 import os
 import sys
 import time
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Optional, TypeVar
+
+from rlstack.errors import UserError
 
 LOGGER_NAME = "rlstack"
 BRIDGE_LOGGER_NAME = "megatron_bridge"

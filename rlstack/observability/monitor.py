@@ -7,7 +7,6 @@ fraction (again only after usage has dropped below it and crossed once more).
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import logging
 import os
 import sys
@@ -15,6 +14,7 @@ from typing import Optional
 
 import psutil
 
+from rlstack.errors import UserError
 from rlstack.observability.logging import FILE_ONLY, LOGGER_NAME
 
 GIB = 1024**3

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Optional, Union
 
 from tqdm import tqdm
 

@@ -11,7 +11,6 @@ resume=False, or delete the file, for a new run in the same directory).
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 import json
 import logging
 import math

@@ -9,8 +9,7 @@ from typing import Optional
 
 from rlstack.errors import UserError
 from rlstack.planner import memory as m
-from rlstack.planner.items import (GIB, KV_HEADROOM, PHASES, Item, KvReport, Setting, peak_of, phase_total,
-                                   stage_items)
+from rlstack.planner.items import GIB, KV_HEADROOM, PHASES, Item, KvReport, Setting, peak_of, phase_total, stage_items
 from rlstack.planner.shapes import hf_config_for, model_args, shape_of
 
 

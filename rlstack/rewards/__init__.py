@@ -14,8 +14,9 @@ when set (for every data_source); else the built-in registered under the sample'
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 from rlstack.errors import UserError
 from rlstack.rewards import math, rules
@@ -83,7 +84,7 @@ class RewardScorer:
         self.builtin = builtin
 
     @classmethod
-    def from_config(cls, data) -> "RewardScorer":
+    def from_config(cls, data) -> RewardScorer:
         """From rlstack.config.DataConfig (reward_fn_file, _name, _batched, reward_kwargs, ...)."""
         return cls(data.reward_fn_file, data.reward_fn_name, reward_kwargs=data.reward_kwargs,
                    timeout_s=data.reward_timeout_s, batched=data.reward_fn_batched,

@@ -39,7 +39,7 @@ def arith(solution_str: str, ground_truth: str, extra_info: Optional[dict] = Non
     """1.0 when the `#### n` answer or the last number is right: flexible on purpose.
 
     An untrained SmolLM2-135M-Instruct almost never writes `#### n` (0 of 192 samples in
-    FINDINGS.md), so strict-only scoring gives no learning signal; the last number gives ~12%.
+    the project's measurements (docs/)), so strict-only scoring gives no learning signal; the last number gives ~12%.
     """
     for method in ("strict", "flexible"):
         if gsm8k.same_number(gsm8k.lenient_extract_answer(solution_str, method), ground_truth):

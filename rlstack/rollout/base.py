@@ -13,16 +13,18 @@ over the kept tokens: the two agree unless top-k or top-p is active.
 
 from __future__ import annotations
 
-from rlstack.errors import UserError
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Optional
+
+from rlstack.errors import UserError
 
 if TYPE_CHECKING:  # keep `import rlstack.rollout.base` free of torch
     import torch
 
-    from rlstack.config import RolloutConfig
     from megatron_bridge.parallel import ParallelGroups
+    from rlstack.config import RolloutConfig
 
 ENGINES = ("hf", "vllm")
 
@@ -71,11 +73,11 @@ class RolloutEngine(ABC):
         """n samples per prompt, ordered prompt-major: [p0s0, p0s1, ..., p1s0, ...]."""
 
     @abstractmethod
-    def param_targets(self) -> Optional[dict[str, "torch.Tensor"]]:
+    def param_targets(self) -> Optional[dict[str, torch.Tensor]]:
         """Engine tensors the bridge may overwrite in place (names in the engine's layout), or None."""
 
     @abstractmethod
-    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors through the engine's own loader (consumed lazily, in order)."""
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -95,7 +97,7 @@ class RolloutEngine(ABC):
         """Release the engine (kept for the whole run; see the vLLM engine's shutdown note)."""
 
 
-def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGroups", eos_token_id: int,
+def build_engine(rollout_cfg: RolloutConfig, hf_dir: str, groups: ParallelGroups, eos_token_id: int,
                  pad_token_id: int) -> RolloutEngine:
     """The configured engine on this rank. vLLM construction is collective: every rank calls this.
 
@@ -124,7 +126,7 @@ def build_engine(rollout_cfg: "RolloutConfig", hf_dir: str, groups: "ParallelGro
     return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups))
 
 
-def rollout_seed(rollout_cfg: "RolloutConfig", groups: "ParallelGroups") -> int:
+def rollout_seed(rollout_cfg: RolloutConfig, groups: ParallelGroups) -> int:
     """seed + rollout replica index (global rank // rollout TP).
 
     The trainer splits rollout work over all ranks by replica, so seeding by replica (not by the

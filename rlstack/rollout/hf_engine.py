@@ -10,8 +10,9 @@ and drops finished rows from the batch (and its KV cache) as they stop.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 

@@ -38,7 +38,7 @@ class SyncDivergenceError(RuntimeError):
             f"(a weight-sync or engine bug, see docs/rollout.md 'Verification')")
 
 
-def check_settings(cfg: "RolloutConfig") -> None:
+def check_settings(cfg: RolloutConfig) -> None:
     """Config errors of the two keys, raised when the engine is built."""
     from rlstack.errors import UserError
 
@@ -48,12 +48,12 @@ def check_settings(cfg: "RolloutConfig") -> None:
         raise UserError(f"rollout.verify_sync_tol={cfg.verify_sync_tol}: use a positive tolerance (1e-3 for fp32)")
 
 
-def due(cfg: "RolloutConfig", step: int) -> bool:
+def due(cfg: RolloutConfig, step: int) -> bool:
     """Probe after the sync of 0-based step `step` (the first step included)."""
     return cfg.verify_sync > 0 and step % cfg.verify_sync == 0
 
 
-def after_sync(cfg: "RolloutConfig", step: int, stats: "SyncStats", role, groups, engine, probe: list) -> None:
+def after_sync(cfg: RolloutConfig, step: int, stats: SyncStats, role, groups, engine, probe: list) -> None:
     """Probe `engine` against the actor `role` right after the sync of 0-based `step` when due;
     records `sync/verify_max_diff` in `stats`. `probe`: the probe prompts' token ids (`probe_prompts`)."""
     from rlstack.rollout.verify_sync import verify_engine
@@ -70,7 +70,7 @@ def after_sync(cfg: "RolloutConfig", step: int, stats: "SyncStats", role, groups
                                   cfg.verify_sync_tol)
 
 
-def check_rollout_diff(cfg: "RolloutConfig", step: int, metrics: dict) -> None:
+def check_rollout_diff(cfg: RolloutConfig, step: int, metrics: dict) -> None:
     """Hold the step's `actor/rollout_diff_max` to the tolerance while the check is on (0-based `step`)."""
     value = metrics.get("actor/rollout_diff_max")
     if cfg.verify_sync <= 0 or value is None or not filtered_logprobs_agree(cfg):
@@ -79,7 +79,7 @@ def check_rollout_diff(cfg: "RolloutConfig", step: int, metrics: dict) -> None:
         raise SyncDivergenceError(step + 1, "actor/rollout_diff_max of this step's rollout", value, cfg.verify_sync_tol)
 
 
-def filtered_logprobs_agree(cfg: "RolloutConfig") -> bool:
+def filtered_logprobs_agree(cfg: RolloutConfig) -> bool:
     """vLLM returns top-k / top-p log-probs renormalised over the kept tokens, the actor does not
     (rollout/base.py): with either filter on, the two differ by design and only the probe is checked."""
     return cfg.engine != "vllm" or (cfg.top_k <= 0 and cfg.top_p >= 1.0)

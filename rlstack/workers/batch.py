@@ -78,7 +78,7 @@ class Rollout:
 
     @classmethod
     def build(cls, prompt_ids: list, response_ids: list, logprobs: list, scores: list, group_ids: list,
-              pad_id: int, micro_batch_size: int, device, on_policy: bool) -> "Rollout":
+              pad_id: int, micro_batch_size: int, device, on_policy: bool) -> Rollout:
         """Padded tensors from per-sample lists (prompt ids, response ids, engine log-probs, score, group)."""
         t = make_batch(prompt_ids, response_ids, pad_id, micro_batch_size, device)
         rows = t["tokens"].shape[0]
@@ -100,13 +100,13 @@ class Rollout:
         """The named per-row tensors that are set (all of them when no name is given)."""
         return {k: getattr(self, k) for k in (names or self._ROW_FIELDS) if getattr(self, k) is not None}
 
-    def rows_slice(self, start: int, stop: int) -> "Rollout":
+    def rows_slice(self, start: int, stop: int) -> Rollout:
         """Rows [start, stop) as a Rollout (a mini-batch); counts are of its real rows."""
         sliced = {k: v[start:stop] for k, v in self.tensors().items()}
         real = max(0, min(stop, self.num_sequences) - start)
         return dataclasses.replace(self, **sliced, num_sequences=real)
 
-    def mini_batches(self, mini_batch_size: int, dp: int, micro_batch_size: int) -> list["Rollout"]:
+    def mini_batches(self, mini_batch_size: int, dp: int, micro_batch_size: int) -> list[Rollout]:
         """This rank's mini-batches: global `mini_batch_size` / dp rows each, a multiple of the micro-batch."""
         size = self.rows
         local = size if mini_batch_size <= 0 else max(micro_batch_size, (mini_batch_size // dp) // micro_batch_size

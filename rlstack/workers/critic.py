@@ -6,8 +6,8 @@ import torch
 
 from rlstack.algorithms import value_loss
 from rlstack.config import AlgorithmConfig
-from rlstack.workers.logprobs import align_to_tokens
 from rlstack.workers.batch import Rollout
+from rlstack.workers.logprobs import align_to_tokens
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 

@@ -8,13 +8,14 @@ optimizer (optionally the distributed optimizer).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from rlstack import collectives
 from megatron_bridge.parallel import ParallelGroups
+from rlstack import collectives
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rlstack import collectives
 from megatron_bridge.parallel import ParallelGroups
+from rlstack import collectives
 
 # `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
 # normalised by the global counts, so their sum over micro-batches and DP ranks is the mini-batch loss.

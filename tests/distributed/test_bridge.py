@@ -49,8 +49,8 @@ def _logits_worker(cases, input_ids):
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.hf import build_megatron_from_hf
-    from megatron_bridge.verify import megatron_logits
     from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.verify import megatron_logits
 
     out = []
     for hf_dir, tp, pp in cases:

@@ -15,8 +15,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlstack.checkpoint import (MARKER, CheckpointError, find_latest, list_checkpoints, resolve_resume,
-                                truncate_metrics, verify_checkpoint, write_marker)
+from rlstack.checkpoint import (
+    MARKER,
+    CheckpointError,
+    find_latest,
+    list_checkpoints,
+    resolve_resume,
+    truncate_metrics,
+    verify_checkpoint,
+    write_marker,
+)
 from tests.dist_utils import run_distributed
 
 # ----------------------------------------------------------------------------- pure: on-disk rules
@@ -228,8 +236,8 @@ def _save_then_resume(hf_dir, out_dir, tp, dist_opt):
 
     import torch
 
-    from rlstack.checkpoint import Checkpointer
     from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import Checkpointer
 
     groups = init_distributed(tp, 1, backend="gloo")
     cfg = _config(out_dir, save_every=2, keep_last=1)
@@ -272,8 +280,8 @@ def test_resume_is_exact(tiny_llama, tmp_path, tp, dist_opt):
 
 
 def _save_tp1(hf_dir, out_dir):
-    from rlstack.checkpoint import Checkpointer
     from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import Checkpointer
 
     groups = init_distributed(1, 1, backend="gloo")
     trainer = _trainer(hf_dir, groups)
@@ -284,8 +292,8 @@ def _save_tp1(hf_dir, out_dir):
 
 def _resume_resave_compare(hf_dir, saved, out_dir, tp, pp):
     """Resume `saved` at TP x PP, save again, and return the keys whose full tensors differ."""
-    from rlstack.checkpoint import Checkpointer
     from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import Checkpointer
 
     groups = init_distributed(tp, pp, backend="gloo")
     trainer = _trainer(hf_dir, groups, seed=7)
@@ -356,8 +364,8 @@ def _train_save_forward(hf_dir, out_dir):
     import torch
     import torch.distributed as dist
 
-    from rlstack.checkpoint import Checkpointer
     from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import Checkpointer
 
     groups = init_distributed(2, 1, backend="gloo")
     trainer = _trainer(hf_dir, groups)

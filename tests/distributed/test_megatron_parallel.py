@@ -34,8 +34,8 @@ OPTIMIZERS = {
 def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer: str = "sgd"):
     from megatron_bridge.hf import gather_hf_state_dict
     from megatron_bridge.parallel import init_distributed
-    from rlstack.workers.actor import token_logprobs
     from rlstack.collectives import sum_floats
+    from rlstack.workers.actor import token_logprobs
     from rlstack.workers.megatron_role import MegatronRole, OptimSettings, split_micro_batches
 
     g = init_distributed(tp, pp)

@@ -41,9 +41,9 @@ def _sync_and_verify(hf_dir, tp, pp, kind, rollout_tp, transport="auto"):
     import torch
 
     from megatron_bridge.hf import build_megatron_from_hf
+    from megatron_bridge.parallel import init_distributed
     from megatron_bridge.reshard import WeightSync
     from rlstack.rollout.verify_sync import perturb_weights, verify_engine
-    from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(tp, pp)
     model, args = build_megatron_from_hf(hf_dir, groups)
@@ -123,8 +123,8 @@ def _step_then_sync(hf_dir, kind, out_dir):
     from megatron.core import tensor_parallel
 
     from megatron_bridge.hf import build_megatron_from_hf, gather_hf_state_dict, save_hf
-    from megatron_bridge.reshard import WeightSync
     from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.reshard import WeightSync
     from rlstack.rollout.base import SamplingParams
     from rlstack.rollout.hf_engine import HFEngine
 
@@ -179,8 +179,8 @@ def _failing_syncs(hf_dir, other_dir):
     import torch
 
     from megatron_bridge.hf import build_megatron_from_hf
-    from megatron_bridge.reshard import WeightSync
     from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.reshard import WeightSync
 
     groups = init_distributed(2, 1)
     model, args = build_megatron_from_hf(hf_dir, groups)
@@ -228,8 +228,8 @@ def _probe_after_syncs(hf_dir):
     from types import SimpleNamespace as NS
 
     from megatron_bridge.hf import build_megatron_from_hf
-    from megatron_bridge.reshard import WeightSync
     from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.reshard import WeightSync
     from rlstack.config import RolloutConfig
     from rlstack.rollout import sync_check, vllm_engine
     from rlstack.rollout.verify_sync import perturb_weights

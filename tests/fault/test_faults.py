@@ -10,8 +10,15 @@ import signal
 import pytest
 
 from tests.e2e.runs import read_metrics, train_steps
-from tests.fault.checks import (assert_checkpoints_sound, finish, last_line, launch, metrics_lines, rank_process,
-                                wait_for)
+from tests.fault.checks import (
+    assert_checkpoints_sound,
+    finish,
+    last_line,
+    launch,
+    metrics_lines,
+    rank_process,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 SAVE = ["checkpoint.save_every=1", "checkpoint.keep_last=2"]

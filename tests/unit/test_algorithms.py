@@ -10,15 +10,18 @@ from rlstack.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
     agg_loss,
     apply_kl_penalty,
     build_kl_controller,
     compute_advantages,
+    compute_policy_loss,
     entropy_from_logits,
     gae,
     grpo,
+    gspo_policy_loss,
     kl_estimate,
     kl_loss,
     mask_counts,
@@ -26,9 +29,6 @@ from rlstack.algorithms import (
     masked_whiten,
     place_at_last_token,
     policy_loss,
-    POLICY_LOSSES,
-    compute_policy_loss,
-    gspo_policy_loss,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     rloo,
@@ -485,7 +485,7 @@ def test_gspo_sequence_ratio_and_clip_by_hand():
     mask = T([[1, 1, 1], [1, 1, 0]])
     loss, stats = gspo_policy_loss(old, logprob, adv, mask, clip_low=0.05, clip_high=0.1,
                                    agg_mode="token-mean")
-    s0, s1 = math.exp(0.2), math.exp(0.01)
+    s1 = math.exp(0.01)  # row 0 ratio exp(0.2) clips at 1.1
     # row 0, A = 1: max(-s0, -clip(s0) = -1.1) = -1.1, clipped; row 1, A = -1: max(s1, clip(s1)) = s1
     close(loss, (3 * -1.1 + 2 * s1) / 5)
     close(stats["clip_frac"], 3 / 5)

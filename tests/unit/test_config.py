@@ -6,9 +6,9 @@ import sys
 import pytest
 import yaml
 
-from rlstack.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict, to_yaml
 from megatron_bridge.hf_config import ModelArgs
 from megatron_bridge.parallel import ParallelDims
+from rlstack.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict, to_yaml
 from rlstack.parallel import check_layout
 from rlstack.planner.shapes import SMOLLM2_135M_CONFIG
 
@@ -98,7 +98,7 @@ def test_validate_only_cli_one_line_error():
     proc = subprocess.run([sys.executable, "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml",
                            "rollout.tempreature=1", "--validate-only"], capture_output=True, text=True)
     assert proc.returncode == 2
-    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert lines == ["error: unknown config key 'rollout.tempreature': did you mean 'rollout.temperature'?"]
 
 

@@ -2,15 +2,14 @@
 layouts are valid for their models and world sizes, and their batches split evenly."""
 
 import glob
+import json
 import os
 
 import pytest
 
-from rlstack.config import adv_estimator, load_config
-import json
-
 from megatron_bridge.hf_config import ModelArgs
 from megatron_bridge.parallel import ParallelDims
+from rlstack.config import adv_estimator, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(ROOT, "yaml_configs")

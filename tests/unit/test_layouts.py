@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from megatron_bridge import layouts
-from megatron_bridge.mappings import (TRANSFORMS, hf_to_megatron_names, megatron_to_hf_names, param_maps,
-                                      to_global_name, to_local_name)
+from megatron_bridge.mappings import (
+    TRANSFORMS,
+    hf_to_megatron_names,
+    megatron_to_hf_names,
+    param_maps,
+    to_global_name,
+    to_local_name,
+)
 from megatron_bridge.models import ModelArgs
 
 # GQA: 8 heads in 4 query groups; vocab 300 is not a multiple of 128 or 64.
@@ -171,8 +177,12 @@ def _load(param, hf_tensors, shard_ids=(None,)):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_vllm_shards_equal_vllms_own_weight_loaders(tp):
     pytest.importorskip("vllm")
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     H, F, V, d = ARGS.hidden_size, ARGS.ffn_hidden_size, ARGS.vocab_size, ARGS.head_dim

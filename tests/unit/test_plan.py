@@ -10,8 +10,8 @@ import pytest
 
 from rlstack.config import load_config
 from rlstack.plan import main
-from rlstack.planner import memory as m
 from rlstack.planner import format_plan, plan_for_config, plan_for_validate
+from rlstack.planner import memory as m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ASSETS = os.path.join(ROOT, "tests", "assets", "model_configs")

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from rlstack.config import load_config, timeout_minutes
 from megatron_bridge.errors import InputError as UserError  # the base of every user-error type
+from rlstack.config import load_config, timeout_minutes
 from rlstack.preflight import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_bridge import layouts
-from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
 from megatron_bridge.hf_config import ModelArgs
+from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
 from megatron_bridge.reshard import plan_reshard
 
 

@@ -7,7 +7,6 @@ from rlstack.rewards import SCORERS, RewardScorer, Sample, extras_metrics, extra
 from rlstack.rewards import math as math_reward
 from rlstack.rewards.custom import load_custom_reward
 
-
 # ----------------------------------------------------------------------------- gsm8k, verl's reading
 
 # Cases written from verl 0.9.1's verl/utils/reward_score/gsm8k.py (and checked against it once,
