@@ -14,10 +14,22 @@ from typing import Optional
 from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
 
 STAGE_KEYS = ("timing/sync_s", "timing/rollout_s", "timing/score_s", "timing/update_s")
-TRAINER_KEYS = ("timing/step_s", *STAGE_KEYS, "timing/actor_update_s", "timing/critic_update_s",
-                "throughput/rollout_tok_s", "throughput/actor_tok_s", "throughput/critic_tok_s",
-                "sync/seconds", "sync/bytes", "sync/peak_extra_bytes", "response/length_mean",
-                "mem/rss_peak_gib", "mem/gpu_peak_gib", "reward/mean")
+TRAINER_KEYS = (
+    "timing/step_s",
+    *STAGE_KEYS,
+    "timing/actor_update_s",
+    "timing/critic_update_s",
+    "throughput/rollout_tok_s",
+    "throughput/actor_tok_s",
+    "throughput/critic_tok_s",
+    "sync/seconds",
+    "sync/bytes",
+    "sync/peak_extra_bytes",
+    "response/length_mean",
+    "mem/rss_peak_gib",
+    "mem/gpu_peak_gib",
+    "reward/mean",
+)
 # Targets from the project guide: reported next to the measurement, never asserted.
 TARGETS = {
     "step_time_vs_trl": ("<=", 0.6, "GRPO step time / TRL's"),
@@ -46,8 +58,7 @@ def over(numerator: float, s: Optional[dict]) -> Optional[dict]:
     """numerator / each value of a stat (min and max swap places)."""
     if s is None:
         return None
-    return {"median": numerator / s["median"], "min": numerator / s["max"], "max": numerator / s["min"],
-            "n": s["n"]}
+    return {"median": numerator / s["median"], "min": numerator / s["max"], "max": numerator / s["min"], "n": s["n"]}
 
 
 def _ok(part) -> bool:
@@ -86,10 +97,16 @@ def step_shape(results: dict, figures: dict) -> Optional[StepShape]:
     response_len = response["median"] if response else (st.get("response_len_mean") if _ok(st) else None)
     if prompt_len is None or response_len is None:
         return None
-    return StepShape(num_prompts=s["prompts"], samples_per_prompt=s["n"], prompt_len=prompt_len,
-                     response_len=response_len, ppo_epochs=s.get("ppo_epochs", 1),
-                     ref_forward=s.get("reference", True), old_logprob_forward=s.get("old_logprob_forward", True),
-                     critic=s.get("algorithm") == "ppo")
+    return StepShape(
+        num_prompts=s["prompts"],
+        samples_per_prompt=s["n"],
+        prompt_len=prompt_len,
+        response_len=response_len,
+        ppo_epochs=s.get("ppo_epochs", 1),
+        ref_forward=s.get("reference", True),
+        old_logprob_forward=s.get("old_logprob_forward", True),
+        critic=s.get("algorithm") == "ppo",
+    )
 
 
 def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], figures: dict) -> dict:
@@ -100,12 +117,13 @@ def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], 
     train_rate, decode_rate = c["train_flops_per_s_total"], c["decode_flops_per_s_total"]
     seq = shape.seq_len
     decode_ceiling = decode_rate / decode_flops_per_token(dims, shape.prompt_len + shape.response_len / 2)
-    out = {"ceiling/decode_tok_s": decode_ceiling,
-           "ceiling/actor_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params),
-           "ceiling/critic_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params),
-           "ceiling/actor_train_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params, train=True),
-           "ceiling/critic_train_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params,
-                                                                       train=True)}
+    out = {
+        "ceiling/decode_tok_s": decode_ceiling,
+        "ceiling/actor_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params),
+        "ceiling/critic_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params),
+        "ceiling/actor_train_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params, train=True),
+        "ceiling/critic_train_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params, train=True),
+    }
     st = results.get("stages", {})
     if _ok(st):
         for kind, r in st.get("rollout", {}).items():
@@ -116,8 +134,9 @@ def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], 
                 out[f"fraction/{role}"] = scaled(stat(st[role]["tok_s"]), 1 / out[f"ceiling/{role}_tok_s"])
     for role in ("actor", "critic"):
         if f"throughput/{role}_tok_s" in figures:
-            out[f"fraction/{role}_train"] = scaled(figures[f"throughput/{role}_tok_s"],
-                                                   1 / out[f"ceiling/{role}_train_tok_s"])
+            out[f"fraction/{role}_train"] = scaled(
+                figures[f"throughput/{role}_tok_s"], 1 / out[f"ceiling/{role}_train_tok_s"]
+            )
     if "throughput/rollout_tok_s" in figures:
         out["fraction/rollout_in_step"] = scaled(figures["throughput/rollout_tok_s"], 1 / decode_ceiling)
     out.update(_sync_figures(c, results))
@@ -130,9 +149,11 @@ def _sync_figures(c: dict, results: dict) -> dict:
     if not rows:
         return {}
     memcpy = c["memcpy_bytes_per_s"]
-    return {"fraction/sync_memcpy": stat([r["sync/bytes"] / r["sync/seconds"] / memcpy for r in rows]),
-            "sync/memcpy_s": stat([r["sync/bytes"] / memcpy for r in rows]),
-            "sync/memcpy_multiple": stat([r["sync/seconds"] * memcpy / r["sync/bytes"] for r in rows])}
+    return {
+        "fraction/sync_memcpy": stat([r["sync/bytes"] / r["sync/seconds"] / memcpy for r in rows]),
+        "sync/memcpy_s": stat([r["sync/bytes"] / memcpy for r in rows]),
+        "sync/memcpy_multiple": stat([r["sync/seconds"] * memcpy / r["sync/bytes"] for r in rows]),
+    }
 
 
 def floor_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], figures: dict) -> dict:
@@ -159,12 +180,14 @@ def trl_figures(results: dict) -> dict:
     if not _ok(trl):
         return {}
     s = results["setup"]
-    rows = trl.get("steps", [])[s.get("warmup_steps", 1):]
+    rows = trl.get("steps", [])[s.get("warmup_steps", 1) :]
     gen = [r.get("trl/completions/mean_length", 0.0) * trl["prompts"] * trl["generations"] for r in rows]
-    out = {"trl/step_s": stat([r["step_s"] for r in rows]),
-           "trl/gen_tokens": stat(gen),
-           "trl/gen_tok_s": stat([g / r["step_s"] for g, r in zip(gen, rows)]),
-           "trl/peak_rss_gib": max(trl.get("memory", {}).get("sum_rss_gib", 0.0), trl.get("peak_rss_gib", 0.0))}
+    out = {
+        "trl/step_s": stat([r["step_s"] for r in rows]),
+        "trl/gen_tokens": stat(gen),
+        "trl/gen_tok_s": stat([g / r["step_s"] for g, r in zip(gen, rows)]),
+        "trl/peak_rss_gib": max(trl.get("memory", {}).get("sum_rss_gib", 0.0), trl.get("peak_rss_gib", 0.0)),
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -208,6 +231,10 @@ def derive(results: dict) -> dict:
     figures.update(comparison_figures(figures, results))
     figures["targets"] = target_figures(figures)
     if shape is not None:
-        figures["shape"] = {"prompt_len": shape.prompt_len, "response_len": shape.response_len,
-                            "sequences": shape.num_sequences, "train_tokens": shape.train_tokens}
+        figures["shape"] = {
+            "prompt_len": shape.prompt_len,
+            "response_len": shape.response_len,
+            "sequences": shape.num_sequences,
+            "train_tokens": shape.train_tokens,
+        }
     return figures

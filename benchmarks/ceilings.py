@@ -98,8 +98,16 @@ def memcpy_rate(nbytes: int, device) -> float:
     return src.numel() * 4 / t
 
 
-def measure(dims: ModelDims, train_rows: int, decode_rows: int, tp: int, pp: int, dtype_name: str,
-            device_name: str, memcpy_mib: int) -> dict:
+def measure(
+    dims: ModelDims,
+    train_rows: int,
+    decode_rows: int,
+    tp: int,
+    pp: int,
+    dtype_name: str,
+    device_name: str,
+    memcpy_mib: int,
+) -> dict:
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -167,8 +175,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with open(os.path.join(args.hf_dir, "config.json")) as f:
         dims = ModelDims.from_hf_config(json.load(f))
-    kwargs = dict(dims=dims, train_rows=args.train_rows, decode_rows=args.decode_rows, tp=args.tp, pp=args.pp,
-                  dtype_name=args.dtype, device_name=args.device, memcpy_mib=args.memcpy_mib)
+    kwargs = dict(
+        dims=dims,
+        train_rows=args.train_rows,
+        decode_rows=args.decode_rows,
+        tp=args.tp,
+        pp=args.pp,
+        dtype_name=args.dtype,
+        device_name=args.device,
+        memcpy_mib=args.memcpy_mib,
+    )
     if args.device.startswith("cuda") or args.procs == 1:
         import torch
 

@@ -25,8 +25,12 @@ def check(groups) -> list[str]:
 
     g = groups
     done = []
-    for name, group, size in (("world", g.world, g.dims.world_size), ("dp", g.dp, g.dims.dp),
-                              ("tp", g.tp, g.dims.tp), ("pp", g.pp, g.dims.pp)):
+    for name, group, size in (
+        ("world", g.world, g.dims.world_size),
+        ("dp", g.dp, g.dims.dp),
+        ("tp", g.tp, g.dims.tp),
+        ("pp", g.pp, g.dims.pp),
+    ):
         total = collectives.sum_floats([1.0, float(g.rank)], group, g.device)
         assert total[0] == size, (name, total)
         top = collectives.max_floats([float(g.rank)], group, g.device)[0]
@@ -59,9 +63,11 @@ def main(argv=None) -> int:
         done = check(groups)
         if groups.rank == 0:
             backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
-            print(f"collectives: ok on {', '.join(done)} | device {groups.device} | default group backend "
-                  f"{backend} (asked {process_group_backend('nccl' if groups.device.type == 'cuda' else 'gloo')})",
-                  flush=True)
+            print(
+                f"collectives: ok on {', '.join(done)} | device {groups.device} | default group backend "
+                f"{backend} (asked {process_group_backend('nccl' if groups.device.type == 'cuda' else 'gloo')})",
+                flush=True,
+            )
     finally:
         destroy_distributed()
     return 0

@@ -70,8 +70,9 @@ class Checks:
 def _run(cmd: list[str], log_path: str, env: dict, timeout_s: float) -> tuple[int, str]:
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     with open(log_path, errors="replace") as f:
@@ -87,8 +88,12 @@ def torchrun(nproc: int) -> list[str]:
 
 def check_collectives(args, checks: Checks, env: dict) -> None:
     tp, pp = _layout(args.overrides)
-    rc, text = _run(torchrun(args.nproc) + ["benchmarks/collectives_check.py", "--tp", str(tp), "--pp", str(pp)],
-                    os.path.join(args.out_dir, "collectives.log"), env, args.timeout_min * 60)
+    rc, text = _run(
+        torchrun(args.nproc) + ["benchmarks/collectives_check.py", "--tp", str(tp), "--pp", str(pp)],
+        os.path.join(args.out_dir, "collectives.log"),
+        env,
+        args.timeout_min * 60,
+    )
     line = next((ln for ln in text.splitlines() if ln.startswith("collectives: ok")), "")
     checks.record("collectives", rc == 0 and bool(line), line.removeprefix("collectives: ok on ") or f"exit {rc}")
 
@@ -100,9 +105,21 @@ def _layout(overrides: list[str]) -> tuple[int, int]:
 
 def train(args, out: str, env: dict, extra: list[str], log_name: str) -> tuple[int, list[dict], str]:
     cmd = torchrun(args.nproc) + [
-        "-m", "rlstack.train", "--config", args.config, "--profile", f"trainer.output_dir={out}",
-        f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.val_after_train=false",
-        "trainer.val_every=0", "algorithm.name=ppo", "model.dtype=bfloat16", *args.overrides, *extra]
+        "-m",
+        "rlstack.train",
+        "--config",
+        args.config,
+        "--profile",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.val_after_train=false",
+        "trainer.val_every=0",
+        "algorithm.name=ppo",
+        "model.dtype=bfloat16",
+        *args.overrides,
+        *extra,
+    ]
     rc, text = _run(cmd, os.path.join(args.out_dir, log_name), env, args.timeout_min * 60)
     path = os.path.join(out, "metrics.jsonl")
     rows = []
@@ -114,21 +131,29 @@ def train(args, out: str, env: dict, extra: list[str], log_name: str) -> tuple[i
 
 def check_training(args, checks: Checks, rows: list[dict], rc: int) -> None:
     steps = [r["step"] for r in rows]
-    if not checks.record("train", rc == 0 and steps == list(range(1, args.steps + 1)),
-                         f"bf16 PPO steps {steps} (exit {rc})"):
+    if not checks.record(
+        "train", rc == 0 and steps == list(range(1, args.steps + 1)), f"bf16 PPO steps {steps} (exit {rc})"
+    ):
         return
     bad = sorted({k for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)})
     roles = [k for k in ("actor/loss", "critic/loss") if k not in rows[-1]]
     reference = any(k in r for r in rows for k in ("actor/kl", "actor/reward_kl"))
-    checks.record("metrics", not bad and not roles and reference,
-                  f"non-finite {bad or 'none'}; missing {roles or 'none'}; reference KL "
-                  f"{'present' if reference else 'MISSING'}")
+    checks.record(
+        "metrics",
+        not bad and not roles and reference,
+        f"non-finite {bad or 'none'}; missing {roles or 'none'}; reference KL {'present' if reference else 'MISSING'}",
+    )
     synced = all(r.get("sync/bytes", 0) > 0 for r in rows)
     diff = max(r["actor/rollout_diff"] for r in rows)
     diff_max = max(r["actor/rollout_diff_max"] for r in rows)
-    checks.record("weight_sync_parity", synced and diff <= BF16_LOGPROB_ATOL,
-                  f"sync every step {synced}; engine vs actor |logprob diff| mean {diff:.2e} (bound "
-                  f"{BF16_LOGPROB_ATOL:g}), max {diff_max:.2e}", rollout_diff=diff, rollout_diff_max=diff_max)
+    checks.record(
+        "weight_sync_parity",
+        synced and diff <= BF16_LOGPROB_ATOL,
+        f"sync every step {synced}; engine vs actor |logprob diff| mean {diff:.2e} (bound "
+        f"{BF16_LOGPROB_ATOL:g}), max {diff_max:.2e}",
+        rollout_diff=diff,
+        rollout_diff_max=diff_max,
+    )
 
 
 def check_resume(args, checks: Checks, first: list[dict], env: dict) -> None:
@@ -137,17 +162,26 @@ def check_resume(args, checks: Checks, first: list[dict], env: dict) -> None:
     if not os.path.isfile(os.path.join(ckpt, "COMPLETE.json")):
         checks.record("checkpoint", False, f"no complete checkpoint {ckpt}")
         return
-    rc, rows, text = train(args, os.path.join(args.out_dir, "resume"), env,
-                           ["checkpoint.save_every=0", f"checkpoint.resume={ckpt}"], "resume.log")
+    rc, rows, text = train(
+        args,
+        os.path.join(args.out_dir, "resume"),
+        env,
+        ["checkpoint.save_every=0", f"checkpoint.resume={ckpt}"],
+        "resume.log",
+    )
     loaded = f"resumed from {ckpt} at step {saved_at}" in text
     expected = {r["step"]: r for r in first if r["step"] > saved_at}
     worst, where, outside = compare_steps(expected, rows, args.resume_rtol, args.resume_atol)
     steps_ok = sorted(r["step"] for r in rows) == sorted(expected)
-    checks.record("checkpoint", rc == 0 and loaded and steps_ok and not outside,
-                  f"dist checkpoint of step {saved_at} saved and loaded: {loaded}; steps {[r['step'] for r in rows]} "
-                  f"repeat the first run's with max relative difference {worst:.2e}"
-                  f"{' (' + where + ')' if where else ''}; outside rtol {args.resume_rtol:g} / atol "
-                  f"{args.resume_atol:g}: {outside or 'none'}", max_rel_diff=worst)
+    checks.record(
+        "checkpoint",
+        rc == 0 and loaded and steps_ok and not outside,
+        f"dist checkpoint of step {saved_at} saved and loaded: {loaded}; steps {[r['step'] for r in rows]} "
+        f"repeat the first run's with max relative difference {worst:.2e}"
+        f"{' (' + where + ')' if where else ''}; outside rtol {args.resume_rtol:g} / atol "
+        f"{args.resume_atol:g}: {outside or 'none'}",
+        max_rel_diff=worst,
+    )
 
 
 def compare_steps(expected: dict[int, dict], rows: list[dict], rtol: float, atol: float):
@@ -179,9 +213,23 @@ def check_planner(args, checks: Checks, rows: list[dict], env: dict) -> None:
         checks.results["planner"] = {"ok": True, "detail": "not present"}
         return
     memory = args.gpu_memory_gib or _device_memory_gib(args.mode, args.nproc)
-    cmd = [sys.executable, "-m", "rlstack.plan", "--config", args.config, "algorithm.name=ppo",
-           "model.dtype=bfloat16", *args.overrides, "--world-size", str(args.nproc),
-           "--gpu-memory-gib", f"{memory:.1f}", "--device", args.mode, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlstack.plan",
+        "--config",
+        args.config,
+        "algorithm.name=ppo",
+        "model.dtype=bfloat16",
+        *args.overrides,
+        "--world-size",
+        str(args.nproc),
+        "--gpu-memory-gib",
+        f"{memory:.1f}",
+        "--device",
+        args.mode,
+        "--json",
+    ]
     if args.mode == "gpu" and importlib.util.find_spec("transformer_engine") is None:
         cmd.append("--unfused-attention")  # megatron's local spec materialises attention scores
     rc, text = _run(cmd, os.path.join(args.out_dir, "plan.log"), env, 300)
@@ -190,8 +238,13 @@ def check_planner(args, checks: Checks, rows: list[dict], env: dict) -> None:
     # exit 1 = "does not fit" (a verdict, not a failure of the check); anything else is a crash
     ok = rc in (0, 1) and predicted is not None
     ratio = f", predicted/measured {predicted / measured:.2f}" if ok and measured > 0 else ""
-    checks.record("planner", ok, f"predicted peak {predicted} GiB per device, measured {measured:.2f} GiB"
-                  f"{ratio} (plan exit {rc})", predicted_gib=predicted, measured_gib=measured)
+    checks.record(
+        "planner",
+        ok,
+        f"predicted peak {predicted} GiB per device, measured {measured:.2f} GiB{ratio} (plan exit {rc})",
+        predicted_gib=predicted,
+        measured_gib=measured,
+    )
 
 
 def _plan_peak_gib(text: str):
@@ -211,41 +264,70 @@ def _device_memory_gib(mode: str, nproc: int) -> float:
     if mode == "gpu":
         import torch
 
-        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / nproc
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / nproc
 
 
 def report_speed(checks: Checks, rows: list[dict]) -> None:
     timed = rows[1:] or rows  # the first step includes warm-up (allocations, first sync)
     mean = lambda key: sum(r.get(key, 0.0) for r in timed) / len(timed)  # noqa: E731
-    figures = {"step_s": mean("timing/step_s"), "rollout_tok_s": mean("throughput/rollout_tok_s"),
-               "actor_tok_s": mean("throughput/actor_tok_s"), "critic_tok_s": mean("throughput/critic_tok_s")}
-    checks.record("speed", figures["step_s"] > 0,
-                  f"step {figures['step_s']:.3f} s | rollout {figures['rollout_tok_s']:.0f} tok/s | actor update "
-                  f"{figures['actor_tok_s']:.0f} tok/s | critic update {figures['critic_tok_s']:.0f} tok/s "
-                  f"(mean of steps 2-{len(rows)})", **figures)
+    figures = {
+        "step_s": mean("timing/step_s"),
+        "rollout_tok_s": mean("throughput/rollout_tok_s"),
+        "actor_tok_s": mean("throughput/actor_tok_s"),
+        "critic_tok_s": mean("throughput/critic_tok_s"),
+    }
+    checks.record(
+        "speed",
+        figures["step_s"] > 0,
+        f"step {figures['step_s']:.3f} s | rollout {figures['rollout_tok_s']:.0f} tok/s | actor update "
+        f"{figures['actor_tok_s']:.0f} tok/s | critic update {figures['critic_tok_s']:.0f} tok/s "
+        f"(mean of steps 2-{len(rows)})",
+        **figures,
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     checks = Checks(time.time())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     check_collectives(args, checks, env)
-    rc, rows, _ = train(args, os.path.join(args.out_dir, "train"), env,
-                        [f"checkpoint.save_every={args.steps // 2}", "checkpoint.keep_last=0",
-                         "checkpoint.resume=never"], "train.log")
+    rc, rows, _ = train(
+        args,
+        os.path.join(args.out_dir, "train"),
+        env,
+        [f"checkpoint.save_every={args.steps // 2}", "checkpoint.keep_last=0", "checkpoint.resume=never"],
+        "train.log",
+    )
     check_training(args, checks, rows, rc)
     if rows:
         check_resume(args, checks, rows, env)
         check_planner(args, checks, rows, env)
         report_speed(checks, rows)
     with open(os.path.join(args.out_dir, "device_check.json"), "w") as f:
-        json.dump({"mode": args.mode, "config": args.config, "overrides": args.overrides, "nproc": args.nproc,
-                   "checks": checks.results, "failed": checks.failed}, f, indent=2)
-    print(f"device_check ({args.mode}): {'all checks passed' if not checks.failed else 'FAILED: ' + ', '.join(checks.failed)}",
-          flush=True)
+        json.dump(
+            {
+                "mode": args.mode,
+                "config": args.config,
+                "overrides": args.overrides,
+                "nproc": args.nproc,
+                "checks": checks.results,
+                "failed": checks.failed,
+            },
+            f,
+            indent=2,
+        )
+    print(
+        f"device_check ({args.mode}): {'all checks passed' if not checks.failed else 'FAILED: ' + ', '.join(checks.failed)}",
+        flush=True,
+    )
     return 1 if checks.failed else 0
 
 

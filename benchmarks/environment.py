@@ -26,11 +26,13 @@ def ensure_bench_venv(path: str, timeout_s: float = 1800) -> tuple[str | None, s
     if os.path.isfile(os.path.join(path, STAMP)) and os.path.isfile(python):
         return python, ""
     print(f"installing TRL into {os.path.relpath(path, ROOT)} (once; a few minutes)", flush=True)
-    steps = [[sys.executable, "-m", "venv", path],
-             [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
-             [python, "-m", "pip", "install", "-q", *BENCH_PACKAGES],
-             [python, "-m", "pip", "uninstall", "-q", "-y", *BENCH_UNWANTED],
-             [python, "-c", "import trl, torch, transformers; print('trl', trl.__version__)"]]
+    steps = [
+        [sys.executable, "-m", "venv", path],
+        [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [python, "-m", "pip", "install", "-q", *BENCH_PACKAGES],
+        [python, "-m", "pip", "uninstall", "-q", "-y", *BENCH_UNWANTED],
+        [python, "-c", "import trl, torch, transformers; print('trl', trl.__version__)"],
+    ]
     for cmd in steps:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -54,23 +56,40 @@ def describe_setup(args, cfg) -> dict:
     device = "cuda" if torch.cuda.is_available() and cfg.parallel.backend != "gloo" else "cpu"
     nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
     dims = check_layout(cfg, nproc)
-    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
-                                cache_dir=cfg.model.cache_dir)
+    hf_dir = resolve_model_path(
+        cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir
+    )
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     seqs_per_rank = d.train_batch_size // dims.dp * r.n // (dims.tp * dims.pp) or 1
     return {
-        "config_name": os.path.splitext(os.path.basename(args.config))[0], "hf_dir": hf_dir,
-        "model_name": model_label(cfg, hf_dir), "device": device, "nproc": nproc, "threads_per_rank": threads,
-        "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "layout": f"tp{dims.tp} pp{dims.pp} dp{dims.dp}",
-        "algorithm": a.name, "engine": r.engine, "prompts": d.train_batch_size, "n": r.n,
-        "max_new_tokens": r.max_new_tokens, "max_prompt_length": d.max_prompt_length,
-        "micro_batch_size": a.micro_batch_size, "ppo_epochs": a.ppo_epochs, "dtype": cfg.model.dtype,
+        "config_name": os.path.splitext(os.path.basename(args.config))[0],
+        "hf_dir": hf_dir,
+        "model_name": model_label(cfg, hf_dir),
+        "device": device,
+        "nproc": nproc,
+        "threads_per_rank": threads,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "layout": f"tp{dims.tp} pp{dims.pp} dp{dims.dp}",
+        "algorithm": a.name,
+        "engine": r.engine,
+        "prompts": d.train_batch_size,
+        "n": r.n,
+        "max_new_tokens": r.max_new_tokens,
+        "max_prompt_length": d.max_prompt_length,
+        "micro_batch_size": a.micro_batch_size,
+        "ppo_epochs": a.ppo_epochs,
+        "dtype": cfg.model.dtype,
         "reference": a.use_kl_loss or a.use_kl_in_reward,
         # The trainer skips the old-log-prob forward on policy (rlstack.trainer.Trainer._on_policy).
         "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
-        "steps": args.steps, "warmup_steps": 1, "reps": args.reps, "warmup_reps": 1,
+        "steps": args.steps,
+        "warmup_steps": 1,
+        "reps": args.reps,
+        "warmup_reps": 1,
         "overrides": list(args.overrides),
     }
 
@@ -100,10 +119,14 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
     """The host; the load averages tell whether other work shared the cores during the run."""
     import psutil
 
-    out = {"cpu": _cpu_model(), "logical cores": os.cpu_count(),
-           "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "platform": platform.platform(),
-           "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in load_at_start),
-           "load average at end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    out = {
+        "cpu": _cpu_model(),
+        "logical cores": os.cpu_count(),
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "platform": platform.platform(),
+        "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in load_at_start),
+        "load average at end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
     gpu = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
     if gpu:
         out["gpu"] = "; ".join(gpu.splitlines())

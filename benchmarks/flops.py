@@ -32,16 +32,25 @@ class ModelDims:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelDims:
         heads = cfg["num_attention_heads"]
-        return cls(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
-                   kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"])
+        return cls(
+            hidden=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+        )
 
     def layer_linears(self, tp: int = 1) -> list[tuple[str, int, int]]:
         """(name, in_features, out_features) of one layer's matmuls on one of `tp` tensor-parallel ranks."""
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
-        return [("qkv", self.hidden, qkv_out // tp), ("proj", self.heads * self.head_dim // tp, self.hidden),
-                ("fc1", self.hidden, 2 * self.ffn // tp), ("fc2", self.ffn // tp, self.hidden)]
+        return [
+            ("qkv", self.hidden, qkv_out // tp),
+            ("proj", self.heads * self.head_dim // tp, self.hidden),
+            ("fc1", self.hidden, 2 * self.ffn // tp),
+            ("fc2", self.ffn // tp, self.hidden),
+        ]
 
     @property
     def layer_params(self) -> int:
@@ -107,10 +116,10 @@ def forward_flops(dims: ModelDims, shape: StepShape, params: int) -> float:
 
 
 def generation_flops(dims: ModelDims, shape: StepShape) -> float:
-    prefill = shape.num_prompts * (2.0 * dims.matmul_params * shape.prompt_len
-                                   + dims.attention_flops(shape.prompt_len))
-    decode = shape.num_sequences * (2.0 * dims.matmul_params * shape.response_len
-                                    + dims.attention_flops(shape.seq_len, past=shape.prompt_len))
+    prefill = shape.num_prompts * (2.0 * dims.matmul_params * shape.prompt_len + dims.attention_flops(shape.prompt_len))
+    decode = shape.num_sequences * (
+        2.0 * dims.matmul_params * shape.response_len + dims.attention_flops(shape.seq_len, past=shape.prompt_len)
+    )
     return prefill + decode
 
 

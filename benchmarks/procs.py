@@ -30,8 +30,12 @@ class MemoryPeaks:
     samples: int = 0
 
     def as_dict(self) -> dict:
-        return {"per_rank_rss_gib": self.per_rank_rss_gib, "sum_rss_gib": self.sum_rss_gib,
-                "sum_pss_gib": self.sum_pss_gib, "samples": self.samples}
+        return {
+            "per_rank_rss_gib": self.per_rank_rss_gib,
+            "sum_rss_gib": self.sum_rss_gib,
+            "sum_pss_gib": self.sum_pss_gib,
+            "samples": self.samples,
+        }
 
 
 def _tree_memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int]:
@@ -99,8 +103,15 @@ class RunResult:
     timed_out: bool = False
 
 
-def run_sampled(cmd: list[str], log_path: str, launcher: bool, timeout_s: float, env: dict | None = None,
-                cwd: str | None = None, echo: Optional[Callable[[str], bool]] = None) -> RunResult:
+def run_sampled(
+    cmd: list[str],
+    log_path: str,
+    launcher: bool,
+    timeout_s: float,
+    env: dict | None = None,
+    cwd: str | None = None,
+    echo: Optional[Callable[[str], bool]] = None,
+) -> RunResult:
     """Run cmd with its output in log_path (lines passing `echo` also on the console), sampling memory.
 
     The command runs in its own session, so at timeout its whole process group is ended.
@@ -109,8 +120,16 @@ def run_sampled(cmd: list[str], log_path: str, launcher: bool, timeout_s: float,
     t0 = time.perf_counter()
     killed = threading.Event()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         sampler = MemorySampler(proc.pid, launcher)
         sampler.start()
         timer = threading.Timer(timeout_s, _kill_group, args=(proc.pid, killed))

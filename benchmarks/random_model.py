@@ -20,17 +20,44 @@ if __package__ in (None, ""):
 
 # Shapes from the models' published config.json files.
 SHAPES = {
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
     # Qwen2's architecture (QKV bias, tied embeddings, GQA) at tiny shapes, for `gpu_check.sh --cpu`:
     # head_dim 32 as the CPU attention kernels need; the vocabulary just covers the tiny tokenizer.
-    "qwen2-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2-tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -51,8 +78,14 @@ def _build(out_dir: str, shape: str, dtype_name: str, seed: int) -> None:
 
     tokenizer = make_tiny_tokenizer(out_dir)
     eos = tokenizer.eos_token_id
-    config = Qwen2Config(**SHAPES[shape], use_sliding_window=False, eos_token_id=eos, pad_token_id=eos,
-                         bos_token_id=tokenizer.bos_token_id, torch_dtype=dtype_name)
+    config = Qwen2Config(
+        **SHAPES[shape],
+        use_sliding_window=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        bos_token_id=tokenizer.bos_token_id,
+        torch_dtype=dtype_name,
+    )
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of 0.5B parameters: seconds on a GPU
     with torch.device(device):

@@ -10,12 +10,17 @@ import os
 from typing import Optional
 
 README_START, README_END = "<!-- bench:cpu:start -->", "<!-- bench:cpu:end -->"
-STAGES = (("timing/sync_s", "sync (weights into the engine)"), ("timing/rollout_s", "rollout (generation)"),
-          ("timing/score_s", "score (rewards, batch)"),
-          ("timing/update_s", "update (log-probs, advantages, training)"), ("timing/other_s", "other"))
+STAGES = (
+    ("timing/sync_s", "sync (weights into the engine)"),
+    ("timing/rollout_s", "rollout (generation)"),
+    ("timing/score_s", "score (rewards, batch)"),
+    ("timing/update_s", "update (log-probs, advantages, training)"),
+    ("timing/other_s", "other"),
+)
 
 
 # ---------------------------------------------------------------- number formats
+
 
 def fmt_num(x: Optional[float], unit: str = "", digits: int = 3) -> str:
     """3 significant digits with an SI prefix: 1.23 k, 45.6 M, 789 G."""
@@ -45,6 +50,7 @@ def fmt_gib(x: Optional[float]) -> str:
 
 # ---------------------------------------------------------------- tables
 
+
 def _row(*cells: str) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -55,38 +61,72 @@ def _frac(figures: dict, key: str) -> str:
 
 
 def main_table(results: dict, f: dict) -> list[str]:
-    lines = [_row("figure", "median", "spread: min–max (n)", "ceiling", "share of ceiling"),
-             _row(*["---"] * 5)]
+    lines = [_row("figure", "median", "spread: min–max (n)", "ceiling", "share of ceiling"), _row(*["---"] * 5)]
     floor = f.get("floor/seconds")
-    lines.append(_row("**PPO/GRPO step time**", *fmt_stat(f.get("timing/step_s"), "s"),
-                      f"FLOP floor {fmt_num(floor, 's')}" if floor else "-", _frac(f, "fraction/step_floor")))
+    lines.append(
+        _row(
+            "**PPO/GRPO step time**",
+            *fmt_stat(f.get("timing/step_s"), "s"),
+            f"FLOP floor {fmt_num(floor, 's')}" if floor else "-",
+            _frac(f, "fraction/step_floor"),
+        )
+    )
     for key, name in STAGES:
         lines.append(_row(f"&nbsp;&nbsp;{name}", *fmt_stat(f.get(key), "s"), "", ""))
-    lines.append(_row("model FLOPs utilisation of the step", "", "", "matmul FLOP/s at model shapes",
-                      _frac(f, "fraction/mfu")))
+    lines.append(
+        _row("model FLOPs utilisation of the step", "", "", "matmul FLOP/s at model shapes", _frac(f, "fraction/mfu"))
+    )
     stages = results.get("stages", {})
     for kind, r in (stages.get("rollout", {}) if isinstance(stages, dict) else {}).items():
         if "tok_s" in r:
-            lines.append(_row(f"rollout tokens/s, {kind} engine (micro-bench)", *fmt_stat(_s(r["tok_s"]), "tok/s"),
-                              fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"), _frac(f, f"fraction/rollout_{kind}")))
+            lines.append(
+                _row(
+                    f"rollout tokens/s, {kind} engine (micro-bench)",
+                    *fmt_stat(_s(r["tok_s"]), "tok/s"),
+                    fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"),
+                    _frac(f, f"fraction/rollout_{kind}"),
+                )
+            )
         else:
-            lines.append(_row(f"rollout tokens/s, {kind} engine", "skipped", r.get("skipped", r.get("error", "")),
-                              "", ""))
-    lines.append(_row(f"rollout tokens/s in the step ({results['setup'].get('engine', '?')})",
-                      *fmt_stat(f.get("throughput/rollout_tok_s"), "tok/s"),
-                      fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"), _frac(f, "fraction/rollout_in_step")))
+            lines.append(
+                _row(f"rollout tokens/s, {kind} engine", "skipped", r.get("skipped", r.get("error", "")), "", "")
+            )
+    lines.append(
+        _row(
+            f"rollout tokens/s in the step ({results['setup'].get('engine', '?')})",
+            *fmt_stat(f.get("throughput/rollout_tok_s"), "tok/s"),
+            fmt_num(f.get("ceiling/decode_tok_s"), "tok/s"),
+            _frac(f, "fraction/rollout_in_step"),
+        )
+    )
     for role, name in (("actor_fwd", "actor forward"), ("critic_fwd", "critic forward")):
         if isinstance(stages, dict) and role in stages:
-            lines.append(_row(f"{name} tokens/s (micro-bench)", *fmt_stat(_s(stages[role]["tok_s"]), "tok/s"),
-                              fmt_num(f.get(f"ceiling/{role}_tok_s"), "tok/s"), _frac(f, f"fraction/{role}")))
+            lines.append(
+                _row(
+                    f"{name} tokens/s (micro-bench)",
+                    *fmt_stat(_s(stages[role]["tok_s"]), "tok/s"),
+                    fmt_num(f.get(f"ceiling/{role}_tok_s"), "tok/s"),
+                    _frac(f, f"fraction/{role}"),
+                )
+            )
     for role in ("actor", "critic"):
         if f"throughput/{role}_tok_s" in f:
-            lines.append(_row(f"{role} training tokens/s (fwd+bwd+step)",
-                              *fmt_stat(f.get(f"throughput/{role}_tok_s"), "tok/s"),
-                              fmt_num(f.get(f"ceiling/{role}_train_tok_s"), "tok/s"),
-                              _frac(f, f"fraction/{role}_train")))
-    lines.append(_row("weight sync seconds (rank 0)", *fmt_stat(f.get("sync/seconds"), "s"),
-                      f"memcpy {fmt_stat(f.get('sync/memcpy_s'), 's')[0]}", _frac(f, "fraction/sync_memcpy")))
+            lines.append(
+                _row(
+                    f"{role} training tokens/s (fwd+bwd+step)",
+                    *fmt_stat(f.get(f"throughput/{role}_tok_s"), "tok/s"),
+                    fmt_num(f.get(f"ceiling/{role}_train_tok_s"), "tok/s"),
+                    _frac(f, f"fraction/{role}_train"),
+                )
+            )
+    lines.append(
+        _row(
+            "weight sync seconds (rank 0)",
+            *fmt_stat(f.get("sync/seconds"), "s"),
+            f"memcpy {fmt_stat(f.get('sync/memcpy_s'), 's')[0]}",
+            _frac(f, "fraction/sync_memcpy"),
+        )
+    )
     lines.append(_row("weight sync bytes (rank 0)", *fmt_stat(f.get("sync/bytes"), "B"), "", ""))
     lines.append(_row("weight sync peak extra memory", *fmt_stat(f.get("sync/peak_extra_bytes"), "B"), "", ""))
     lines += _memory_rows(results, f)
@@ -102,9 +142,16 @@ def _s(values: list[float]) -> Optional[dict]:
 def _memory_rows(results: dict, f: dict) -> list[str]:
     mem = results.get("trainer", {}).get("memory", {})
     per_rank = ", ".join(fmt_gib(x) for x in mem.get("per_rank_rss_gib", []))
-    rows = [_row("peak memory per rank (RSS)", per_rank or "-", "", "", ""),
-            _row("peak memory, all ranks at once (RSS sum; PSS sum)",
-                 fmt_gib(mem.get("sum_rss_gib")), f"PSS {fmt_gib(mem.get('sum_pss_gib'))}", "", "")]
+    rows = [
+        _row("peak memory per rank (RSS)", per_rank or "-", "", "", ""),
+        _row(
+            "peak memory, all ranks at once (RSS sum; PSS sum)",
+            fmt_gib(mem.get("sum_rss_gib")),
+            f"PSS {fmt_gib(mem.get('sum_pss_gib'))}",
+            "",
+            "",
+        ),
+    ]
     if f.get("mem/gpu_peak_gib"):
         rows.append(_row("peak GPU memory allocated (rank 0)", *fmt_stat(f["mem/gpu_peak_gib"], "GiB"), "", ""))
     return rows
@@ -112,8 +159,11 @@ def _memory_rows(results: dict, f: dict) -> list[str]:
 
 def run_notes(results: dict) -> list[str]:
     """A line per part that failed (its figures are missing or partial), and parts reused from a run."""
-    notes = [f"- {part}: {results[part]['error']}" for part in ("trainer", "stages", "ceilings", "trl")
-             if isinstance(results.get(part), dict) and "error" in results[part]]
+    notes = [
+        f"- {part}: {results[part]['error']}"
+        for part in ("trainer", "stages", "ceilings", "trl")
+        if isinstance(results.get(part), dict) and "error" in results[part]
+    ]
     out = ["", "Failures (figures from these parts are missing or partial):", *notes] if notes else []
     if results.get("reused"):
         r = results["reused"]
@@ -128,13 +178,28 @@ def trl_table(results: dict, f: dict) -> list[str]:
         return [f"TRL comparison skipped: {reason}"]
     mem = results.get("trainer", {}).get("memory", {})
     name = f"TRL {trl.get('trl_version', '?')} GRPOTrainer"
-    lines = [_row("same model, task, batch, lengths", "rlstack", name, "rlstack / TRL"), _row(*["---"] * 4),
-             _row("step time", fmt_stat(f.get("timing/step_s"), "s")[0], fmt_stat(f.get("trl/step_s"), "s")[0],
-                  _ratio(f.get("ratio/step_time"))),
-             _row("generated tokens / step time", fmt_stat(f.get("step/gen_tok_s"), "tok/s")[0],
-                  fmt_stat(f.get("trl/gen_tok_s"), "tok/s")[0], _ratio(f.get("ratio/gen_tok_s"))),
-             _row("peak memory, all processes (RSS)", fmt_gib(mem.get("sum_rss_gib")),
-                  fmt_gib(f.get("trl/peak_rss_gib")), _ratio(f.get("ratio/peak_memory")))]
+    lines = [
+        _row("same model, task, batch, lengths", "rlstack", name, "rlstack / TRL"),
+        _row(*["---"] * 4),
+        _row(
+            "step time",
+            fmt_stat(f.get("timing/step_s"), "s")[0],
+            fmt_stat(f.get("trl/step_s"), "s")[0],
+            _ratio(f.get("ratio/step_time")),
+        ),
+        _row(
+            "generated tokens / step time",
+            fmt_stat(f.get("step/gen_tok_s"), "tok/s")[0],
+            fmt_stat(f.get("trl/gen_tok_s"), "tok/s")[0],
+            _ratio(f.get("ratio/gen_tok_s")),
+        ),
+        _row(
+            "peak memory, all processes (RSS)",
+            fmt_gib(mem.get("sum_rss_gib")),
+            fmt_gib(f.get("trl/peak_rss_gib")),
+            _ratio(f.get("ratio/peak_memory")),
+        ),
+    ]
     return lines
 
 
@@ -156,13 +221,25 @@ def ceilings_table(results: dict) -> list[str]:
     if "train_flops_per_s" not in c:
         return [f"Ceilings not measured: {c.get('error', 'not run')}"]
     per, tot = "per rank", f"machine ({c['procs']} x {c['threads_per_proc']} threads)"
-    return [_row("ceiling", per, tot), _row("---", "---", "---"),
-            _row("matmul at training shapes", fmt_num(c["train_flops_per_s"], "FLOP/s"),
-                 fmt_num(c["train_flops_per_s_total"], "FLOP/s")),
-            _row("matmul at decode shapes", fmt_num(c["decode_flops_per_s"], "FLOP/s"),
-                 fmt_num(c["decode_flops_per_s_total"], "FLOP/s")),
-            _row("memcpy (bytes copied)", fmt_num(c["memcpy_bytes_per_s"], "B/s"),
-                 fmt_num(c["memcpy_bytes_per_s_total"], "B/s"))]
+    return [
+        _row("ceiling", per, tot),
+        _row("---", "---", "---"),
+        _row(
+            "matmul at training shapes",
+            fmt_num(c["train_flops_per_s"], "FLOP/s"),
+            fmt_num(c["train_flops_per_s_total"], "FLOP/s"),
+        ),
+        _row(
+            "matmul at decode shapes",
+            fmt_num(c["decode_flops_per_s"], "FLOP/s"),
+            fmt_num(c["decode_flops_per_s_total"], "FLOP/s"),
+        ),
+        _row(
+            "memcpy (bytes copied)",
+            fmt_num(c["memcpy_bytes_per_s"], "B/s"),
+            fmt_num(c["memcpy_bytes_per_s_total"], "B/s"),
+        ),
+    ]
 
 
 def floor_table(f: dict) -> list[str]:
@@ -176,16 +253,37 @@ def floor_table(f: dict) -> list[str]:
 
 def render_markdown(results: dict, f: dict) -> str:
     s = results["setup"]
-    out = [f"# rlstack benchmark: {results['config_name']} ({results['date']})", "",
-           f"{s['model_name']}, {s['algorithm'].upper()}, {s['prompts']} prompts x {s['n']} samples x "
-           f"{s['max_new_tokens']} max new tokens, {s['dtype']}, {s['nproc']} ranks ({s['layout']}) x "
-           f"{s['threads_per_rank']} threads, rollout engine `{s['engine']}`. {s['steps']} steps, the first "
-           f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed "
-           "repetitions.",
-           "", *main_table(results, f), *run_notes(results), "",
-           "## Side by side with TRL", "", *trl_table(results, f), "", "## Targets", "", *targets_table(f), "",
-           "## Machine ceilings", "", *ceilings_table(results), "",
-           "## FLOP floor of one step", "", *floor_table(f), "", "## Machine and versions", ""]
+    out = [
+        f"# rlstack benchmark: {results['config_name']} ({results['date']})",
+        "",
+        f"{s['model_name']}, {s['algorithm'].upper()}, {s['prompts']} prompts x {s['n']} samples x "
+        f"{s['max_new_tokens']} max new tokens, {s['dtype']}, {s['nproc']} ranks ({s['layout']}) x "
+        f"{s['threads_per_rank']} threads, rollout engine `{s['engine']}`. {s['steps']} steps, the first "
+        f"{s['warmup_steps']} excluded; micro-benchmarks: {s['warmup_reps']} warm-up + {s['reps']} timed "
+        "repetitions.",
+        "",
+        *main_table(results, f),
+        *run_notes(results),
+        "",
+        "## Side by side with TRL",
+        "",
+        *trl_table(results, f),
+        "",
+        "## Targets",
+        "",
+        *targets_table(f),
+        "",
+        "## Machine ceilings",
+        "",
+        *ceilings_table(results),
+        "",
+        "## FLOP floor of one step",
+        "",
+        *floor_table(f),
+        "",
+        "## Machine and versions",
+        "",
+    ]
     out += [f"- {k}: {v}" for k, v in {**results["machine"], **results["versions"]}.items()]
     out += ["", f"Command: `{results['command']}`", ""]
     return "\n".join(out)
@@ -198,13 +296,21 @@ def readme_section(results: dict, f: dict, results_dir: str) -> str:
     """
     s = results["setup"]
     name = f"{results['config_name']}-{results['date']}"
-    return "\n".join([
-        f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "
-        f"({results['machine'].get('logical cores', '?')} cores), {results['date']}; {s['model_name']}, "
-        f"{s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, {s['nproc']} ranks. "
-        f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
-        f"chart: [{name}.png]({results_dir}/{name}.png).",
-        "", *main_table(results, f), "", *trl_table(results, f), "", *targets_table(f)])
+    return "\n".join(
+        [
+            f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "
+            f"({results['machine'].get('logical cores', '?')} cores), {results['date']}; {s['model_name']}, "
+            f"{s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, {s['nproc']} ranks. "
+            f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
+            f"chart: [{name}.png]({results_dir}/{name}.png).",
+            "",
+            *main_table(results, f),
+            "",
+            *trl_table(results, f),
+            "",
+            *targets_table(f),
+        ]
+    )
 
 
 def write_json(results: dict, figures: dict, path: str) -> None:
@@ -241,8 +347,12 @@ def write_chart(results: dict, f: dict, path: str) -> None:
         left.bar("rlstack", value, bottom=bottom, label=name)
         bottom += max(value, 0.0)
     if f.get("trl/step_s"):
-        left.bar(f"TRL {results.get('trl', {}).get('trl_version', '')}", f["trl/step_s"]["median"], color="grey",
-                 label="TRL step")
+        left.bar(
+            f"TRL {results.get('trl', {}).get('trl_version', '')}",
+            f["trl/step_s"]["median"],
+            color="grey",
+            label="TRL step",
+        )
     left.set_ylabel("seconds per step (median)")
     left.set_title("step time")
     left.legend(fontsize=8)

@@ -43,8 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
     p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
-    p.add_argument("--reuse", default="", help="results .json of an earlier run of the same config: the parts "
-                   "named in --skip are taken from it (noted in the table)")
+    p.add_argument(
+        "--reuse",
+        default="",
+        help="results .json of an earlier run of the same config: the parts "
+        "named in --skip are taken from it (noted in the table)",
+    )
     p.add_argument("--bench-venv", default=os.path.join(ROOT, ".venv-bench"), help="TRL's environment")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work-dir", default=os.path.join(ROOT, "outputs", "bench"), help="logs and run outputs")
@@ -65,11 +69,29 @@ def run_trainer(args, setup: dict, env: dict) -> dict:
     out = os.path.join(args.work_dir, setup["config_name"], "trainer")
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start clean
     cmd = torchrun_cmd(setup["nproc"]) + [
-        "-m", "rlstack.train", "--config", args.config, "--profile", f"trainer.total_steps={args.steps}",
-        f"trainer.output_dir={out}", "trainer.val_before_train=false", "trainer.val_after_train=false",
-        "trainer.val_every=0", "checkpoint.save_every=0", "checkpoint.resume=never", *args.overrides]
-    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=True, timeout_s=args.timeout_min * 60,
-                    env=env, cwd=ROOT, echo=echo_line)
+        "-m",
+        "rlstack.train",
+        "--config",
+        args.config,
+        "--profile",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={out}",
+        "trainer.val_before_train=false",
+        "trainer.val_after_train=false",
+        "trainer.val_every=0",
+        "checkpoint.save_every=0",
+        "checkpoint.resume=never",
+        *args.overrides,
+    ]
+    r = run_sampled(
+        cmd,
+        os.path.join(out, "bench.log"),
+        launcher=True,
+        timeout_s=args.timeout_min * 60,
+        env=env,
+        cwd=ROOT,
+        echo=echo_line,
+    )
     result = {"memory": r.memory.as_dict(), "wall_s": r.wall_s, "log": r.log_path, "command": " ".join(cmd)}
     path = os.path.join(out, "metrics.jsonl")
     if os.path.isfile(path):  # a run that dies late keeps its finished steps (each line is flushed)
@@ -86,13 +108,31 @@ def run_stages(args, setup: dict, env: dict) -> dict:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "stages.json")
     cmd = torchrun_cmd(setup["nproc"]) + [
-        os.path.join(ROOT, "benchmarks", "stages.py"), "--config", args.config, "--json", path,
-        "--engines", args.engines, "--reps", str(args.reps), "--warmup", "1",
-        f"trainer.output_dir={out}", *args.overrides]
+        os.path.join(ROOT, "benchmarks", "stages.py"),
+        "--config",
+        args.config,
+        "--json",
+        path,
+        "--engines",
+        args.engines,
+        "--reps",
+        str(args.reps),
+        "--warmup",
+        "1",
+        f"trainer.output_dir={out}",
+        *args.overrides,
+    ]
     if os.path.isfile(path):
         os.remove(path)
-    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=True, timeout_s=args.timeout_min * 60,
-                    env=env, cwd=ROOT, echo=echo_line)
+    r = run_sampled(
+        cmd,
+        os.path.join(out, "bench.log"),
+        launcher=True,
+        timeout_s=args.timeout_min * 60,
+        env=env,
+        cwd=ROOT,
+        echo=echo_line,
+    )
     if r.returncode != 0 or not os.path.isfile(path):
         return {"error": _failure("stage micro-benchmarks", r)}
     with open(path) as f:
@@ -104,17 +144,40 @@ def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "ceilings.json")
     train_rows = stages.get("train_rows_per_rank") or setup["micro_batch_size"] * (
-        setup["max_prompt_length"] + setup["max_new_tokens"])
+        setup["max_prompt_length"] + setup["max_new_tokens"]
+    )
     hf = stages.get("rollout", {}).get("hf", {})
     decode_rows = hf.get("decode_rows_per_rank") or setup["decode_rows_per_rank"]
     on_gpu = setup["device"] == "cuda"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ceilings.py"), "--hf-dir", setup["hf_dir"],
-           "--train-rows", str(train_rows), "--decode-rows", str(decode_rows), "--tp", str(setup["tp"]),
-           "--pp", str(setup["pp"]), "--procs", str(setup["nproc"]), "--threads", str(setup["threads_per_rank"]),
-           "--dtype", setup["dtype"], "--device", "cuda" if on_gpu else "cpu",
-           "--memcpy-mib", "2048" if on_gpu else "256", "--json", path]
-    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60,
-                    env=env, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "ceilings.py"),
+        "--hf-dir",
+        setup["hf_dir"],
+        "--train-rows",
+        str(train_rows),
+        "--decode-rows",
+        str(decode_rows),
+        "--tp",
+        str(setup["tp"]),
+        "--pp",
+        str(setup["pp"]),
+        "--procs",
+        str(setup["nproc"]),
+        "--threads",
+        str(setup["threads_per_rank"]),
+        "--dtype",
+        setup["dtype"],
+        "--device",
+        "cuda" if on_gpu else "cpu",
+        "--memcpy-mib",
+        "2048" if on_gpu else "256",
+        "--json",
+        path,
+    ]
+    r = run_sampled(
+        cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60, env=env, cwd=ROOT
+    )
     if r.returncode != 0 or not os.path.isfile(path):
         return {"error": _failure("ceilings", r)}
     with open(path) as f:
@@ -135,19 +198,56 @@ def run_trl(args, setup: dict, cfg) -> dict:
     os.makedirs(out)
     path = os.path.join(out, "trl.json")
     a, d = cfg.algorithm, cfg.data
-    cmd = [python, os.path.join(ROOT, "benchmarks", "trl_grpo.py"), "--hf-dir", setup["hf_dir"],
-           "--task", d.synthetic, "--train-size", str(d.synthetic_train_size),
-           "--max-operand", str(d.synthetic_max_operand), "--data-seed", str(d.seed),
-           "--prompts", str(d.train_batch_size), "--generations", str(cfg.rollout.n),
-           "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size),
-           "--temperature", str(cfg.rollout.temperature), "--beta", str(a.kl_loss_coef if a.use_kl_loss else 0.0),
-           "--lr", str(a.actor_lr), "--steps", str(args.trl_steps), "--dtype", setup["dtype"],
-           "--threads", str(setup["nproc"] * setup["threads_per_rank"]), "--output-dir", out, "--json", path]
+    cmd = [
+        python,
+        os.path.join(ROOT, "benchmarks", "trl_grpo.py"),
+        "--hf-dir",
+        setup["hf_dir"],
+        "--task",
+        d.synthetic,
+        "--train-size",
+        str(d.synthetic_train_size),
+        "--max-operand",
+        str(d.synthetic_max_operand),
+        "--data-seed",
+        str(d.seed),
+        "--prompts",
+        str(d.train_batch_size),
+        "--generations",
+        str(cfg.rollout.n),
+        "--max-new-tokens",
+        str(cfg.rollout.max_new_tokens),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--temperature",
+        str(cfg.rollout.temperature),
+        "--beta",
+        str(a.kl_loss_coef if a.use_kl_loss else 0.0),
+        "--lr",
+        str(a.actor_lr),
+        "--steps",
+        str(args.trl_steps),
+        "--dtype",
+        setup["dtype"],
+        "--threads",
+        str(setup["nproc"] * setup["threads_per_rank"]),
+        "--output-dir",
+        out,
+        "--json",
+        path,
+    ]
     if cfg.model.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
     env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
-    r = run_sampled(cmd, os.path.join(out, "bench.log"), launcher=False, timeout_s=args.timeout_min * 60,
-                    env=env, cwd=ROOT, echo=lambda line: "'step_time'" in line or "Error" in line)
+    r = run_sampled(
+        cmd,
+        os.path.join(out, "bench.log"),
+        launcher=False,
+        timeout_s=args.timeout_min * 60,
+        env=env,
+        cwd=ROOT,
+        echo=lambda line: "'step_time'" in line or "Error" in line,
+    )
     if r.returncode != 0 or not os.path.isfile(path):
         return {"error": _failure("TRL", r)}
     with open(path) as f:
@@ -183,16 +283,31 @@ def main(argv=None) -> int:
     setup = environment.describe_setup(args, cfg)
     skip = set(filter(None, args.skip.split(",")))
     load_at_start = os.getloadavg()
-    env = {**os.environ, "OMP_NUM_THREADS": str(setup["threads_per_rank"]), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}  # logs and progress lines as they happen
-    results = {"config": args.config, "config_name": setup["config_name"], "date": datetime.date.today().isoformat(),
-               "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/run.py",
-                                    *(argv if argv is not None else sys.argv[1:])]),
-               "setup": setup, "model": environment.model_info(setup["hf_dir"])}
-    parts = (("trainer", lambda: run_trainer(args, setup, env)),
-             ("stages", lambda: run_stages(args, setup, env)),
-             ("ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)),
-             ("trl", lambda: run_trl(args, setup, cfg)))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(setup["threads_per_rank"]),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }  # logs and progress lines as they happen
+    results = {
+        "config": args.config,
+        "config_name": setup["config_name"],
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(
+            [
+                os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/run.py",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "setup": setup,
+        "model": environment.model_info(setup["hf_dir"]),
+    }
+    parts = (
+        ("trainer", lambda: run_trainer(args, setup, env)),
+        ("stages", lambda: run_stages(args, setup, env)),
+        ("ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)),
+        ("trl", lambda: run_trl(args, setup, cfg)),
+    )
     reused = _load_reuse(args.reuse, setup["config_name"])
     for name, fn in parts:
         if name in skip:

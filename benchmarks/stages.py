@@ -70,8 +70,9 @@ def bench_engine(kind: str, cfg, hf_dir: str, g, tokenizer, prompts: list, args)
 
     r = cfg.rollout
     t0 = time.perf_counter()
-    engine = build_engine(dataclasses.replace(r, engine=kind), hf_dir, g, tokenizer.eos_token_id,
-                          tokenizer.pad_token_id)
+    engine = build_engine(
+        dataclasses.replace(r, engine=kind), hf_dir, g, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     start_s = time.perf_counter() - t0
     mine = stages.replica_share(len(prompts), r, g)
     counts = []
@@ -82,11 +83,15 @@ def bench_engine(kind: str, cfg, hf_dir: str, g, tokenizer, prompts: list, args)
         return gens
 
     seconds, rows = timed(run, g, args.reps, args.warmup)
-    tokens = counts[args.warmup:]
+    tokens = counts[args.warmup :]
     engine.close()  # vLLM's close leaves the training world alone (rlstack.rollout.vllm_engine)
-    return {"start_s": start_s, "seconds": seconds, "tokens": tokens,
-            "tok_s": [t / s for t, s in zip(tokens, seconds)],
-            "decode_rows_per_rank": min(r.micro_batch_size, len(mine) * r.n)}, rows
+    return {
+        "start_s": start_s,
+        "seconds": seconds,
+        "tokens": tokens,
+        "tok_s": [t / s for t, s in zip(tokens, seconds)],
+        "decode_rows_per_rank": min(r.micro_batch_size, len(mine) * r.n),
+    }, rows
 
 
 def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, args) -> dict:
@@ -104,8 +109,11 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     batch = stages.build_rollout(mine, rows, [0.0] * len(rows), tokenizer.pad_token_id, mbs, g.device, on_policy=True)
     tokens = collectives.sum_floats([float(batch.num_tokens)], g.dp, g.device)[0]
     dtype = DTYPES[cfg.model.dtype]
-    out = {"tokens": tokens, "padded_seq_len": int(batch.tokens.shape[1]),
-           "train_rows_per_rank": mbs * int(batch.tokens.shape[1])}
+    out = {
+        "tokens": tokens,
+        "padded_seq_len": int(batch.tokens.shape[1]),
+        "train_rows_per_rank": mbs * int(batch.tokens.shape[1]),
+    }
     role = MegatronRole(hf_dir, g, dtype)
     seconds, _ = timed(lambda role=role: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
     out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
@@ -135,16 +143,28 @@ def run(args) -> dict:
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
-    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny),
-                                cache_dir=cfg.model.cache_dir)
+    hf_dir = resolve_model_path(
+        cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir
+    )
     tokenizer = load_tokenizer(hf_dir)
     train_set, _ = build_datasets(cfg.data, tokenizer)
-    sampler = PromptSampler(len(train_set), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                            dp_rank=g.dp_rank, dp_size=g.dims.dp)
+    sampler = PromptSampler(
+        len(train_set),
+        cfg.data.train_batch_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+        dp_rank=g.dp_rank,
+        dp_size=g.dims.dp,
+    )
     prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step
     lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]
-    result = {"threads_per_rank": threads, "world_size": g.dims.world_size, "rollout": {},
-              "prompt_len_mean": statistics.fmean(lengths), "prompts": len(prompts)}
+    result = {
+        "threads_per_rank": threads,
+        "world_size": g.dims.world_size,
+        "rollout": {},
+        "prompt_len_mean": statistics.fmean(lengths),
+        "prompts": len(prompts),
+    }
     rows = None
     for kind in [k for k in args.engines.split(",") if k]:
         if not engine_available(kind):

@@ -51,8 +51,16 @@ def make_dataset(args):
     from rlstack.data.synthetic import make_rows
 
     rows = make_rows(args.task, args.train_size, args.data_seed, "train", args.max_operand)
-    return Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"]),
-                               "data_source": r["data_source"]} for r in rows])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "ground_truth": str(r["reward_model"]["ground_truth"]),
+                "data_source": r["data_source"],
+            }
+            for r in rows
+        ]
+    )
 
 
 def reward_fn(completions, ground_truth, data_source, **kwargs) -> list[float]:
@@ -75,8 +83,7 @@ def make_callback(records: list):
 
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
-            records.append({"step": state.global_step, "step_s": now - self.last,
-                            "rss_peak_gib": _peak_rss_gib()})
+            records.append({"step": state.global_step, "step_s": now - self.last, "rss_peak_gib": _peak_rss_gib()})
             self.last = now
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -104,28 +111,52 @@ def main(argv=None) -> int:
         raise ValueError(f"prompts x generations ({num_seqs}) must be a multiple of --micro-batch-size")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     config = GRPOConfig(
-        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
         beta=args.beta,
         per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=num_seqs // args.micro_batch_size,  # one generation per optimizer step
-        num_generations=args.generations, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, bf16=args.dtype == "bfloat16", fp16=False,
+        num_generations=args.generations,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        bf16=args.dtype == "bfloat16",
+        fp16=False,
         gradient_checkpointing=args.gradient_checkpointing,  # TRL defaults to True; rlstack's config does not
-        model_init_kwargs={"dtype": dtype}, logging_steps=1, save_strategy="no", report_to="none",
-        seed=args.data_seed, dataloader_num_workers=0, disable_tqdm=True,
+        model_init_kwargs={"dtype": dtype},
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.data_seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     records: list[dict] = []
-    trainer = GRPOTrainer(model=args.hf_dir, reward_funcs=[reward_fn], args=config,
-                          train_dataset=make_dataset(args), callbacks=[make_callback(records)])
+    trainer = GRPOTrainer(
+        model=args.hf_dir,
+        reward_funcs=[reward_fn],
+        args=config,
+        train_dataset=make_dataset(args),
+        callbacks=[make_callback(records)],
+    )
     t0 = time.perf_counter()
     trainer.train()
     result = {
-        "trl_version": trl.__version__, "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
-        "prompts": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
-        "micro_batch_size": args.micro_batch_size, "beta": args.beta,
-        "gradient_checkpointing": args.gradient_checkpointing, "train_s": time.perf_counter() - t0,
-        "steps": records, "peak_rss_gib": _peak_rss_gib(),
+        "trl_version": trl.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "generations": args.generations,
+        "max_new_tokens": args.max_new_tokens,
+        "micro_batch_size": args.micro_batch_size,
+        "beta": args.beta,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "train_s": time.perf_counter() - t0,
+        "steps": records,
+        "peak_rss_gib": _peak_rss_gib(),
     }
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -80,10 +80,12 @@ def _expand_host(pattern: str, original: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", pattern)
     if match is None:
         return [pattern]
-    prefix, suffix = pattern[: match.start()], pattern[match.end():]
-    return [prefix + value + rest
-            for value in _expand_ranges(match.group(1), original)
-            for rest in _expand_host(suffix, original)]
+    prefix, suffix = pattern[: match.start()], pattern[match.end() :]
+    return [
+        prefix + value + rest
+        for value in _expand_ranges(match.group(1), original)
+        for rest in _expand_host(suffix, original)
+    ]
 
 
 def _expand_ranges(body: str, original: str) -> list[str]:
@@ -153,13 +155,19 @@ class Layout:
     notes: list[str] = field(default_factory=list)  # printed to stderr by the CLI
 
     def shell_lines(self) -> list[str]:
-        return [f"NNODES={self.nnodes}", f"NODE_RANK={self.node_rank}",
-                f"NPROC_PER_NODE={self.nproc_per_node}", f"MASTER_ADDR={self.master_addr}",
-                f"MASTER_PORT={self.master_port}", f"LAYOUT_SOURCE={self.source}"]
+        return [
+            f"NNODES={self.nnodes}",
+            f"NODE_RANK={self.node_rank}",
+            f"NPROC_PER_NODE={self.nproc_per_node}",
+            f"MASTER_ADDR={self.master_addr}",
+            f"MASTER_PORT={self.master_port}",
+            f"LAYOUT_SOURCE={self.source}",
+        ]
 
 
-def layout_from_env(env: Mapping[str, str], gpus: Optional[Callable[[], int]] = None,
-                    free_port: Optional[Callable[[], int]] = None) -> Layout:
+def layout_from_env(
+    env: Mapping[str, str], gpus: Optional[Callable[[], int]] = None, free_port: Optional[Callable[[], int]] = None
+) -> Layout:
     """SLURM's environment when SLURM_JOB_ID is set (and RLSTACK_IGNORE_SLURM is not 1), else torchrun's."""
     gpus = gpus or (lambda: count_visible_gpus(env))
     free_port = free_port or _free_port
@@ -203,8 +211,10 @@ def _slurm_layout(env: Mapping[str, str], gpus: Callable[[], int]) -> Layout:
     hosts, count_var = _slurm_hosts(env)
     nnodes = len(hosts)
     if count_var and env.get(count_var) and _int_env(env, count_var, None, minimum=1) != nnodes:
-        raise ValueError(f"{count_var}={env[count_var]} but the node list names {nnodes} nodes: "
-                         f"run ppo.sh through srun with one task per node")
+        raise ValueError(
+            f"{count_var}={env[count_var]} but the node list names {nnodes} nodes: "
+            f"run ppo.sh through srun with one task per node"
+        )
     node_rank = _slurm_node_rank(env, hosts)
     nproc = _slurm_nproc(env, gpus, notes)
     master_addr, master_port = hosts[0], _slurm_port(env)
@@ -213,22 +223,28 @@ def _slurm_layout(env: Mapping[str, str], gpus: Callable[[], int]) -> Layout:
         notes.append(f"MASTER_ADDR={master_addr} from the environment replaces SLURM's first node {hosts[0]}")
     for var, value in (("NNODES", nnodes), ("NODE_RANK", node_rank)):
         if env.get(var) and env[var] != str(value):
-            notes.append(f"{var}={env[var]} ignored under SLURM, which says {value} "
-                         f"(set RLSTACK_IGNORE_SLURM=1 to use the environment instead)")
+            notes.append(
+                f"{var}={env[var]} ignored under SLURM, which says {value} "
+                f"(set RLSTACK_IGNORE_SLURM=1 to use the environment instead)"
+            )
     return Layout(nnodes, node_rank, nproc, master_addr, master_port, "slurm", notes)
 
 
 def _slurm_hosts(env: Mapping[str, str]) -> tuple[list[str], str]:
     """The step's node list inside srun, else the job's; and the variable that counts it."""
-    for list_var, count_var in (("SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES"),
-                                ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"),
-                                ("SLURM_NODELIST", "SLURM_NNODES")):
+    for list_var, count_var in (
+        ("SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES"),
+        ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"),
+        ("SLURM_NODELIST", "SLURM_NNODES"),
+    ):
         if env.get(list_var):
             if count_var == "SLURM_JOB_NUM_NODES" and not env.get(count_var):
                 count_var = "SLURM_NNODES"
             return expand_nodelist(env[list_var]), count_var
-    raise ValueError("SLURM_JOB_ID is set but no SLURM_JOB_NODELIST: run inside an allocation "
-                     "(sbatch/srun) or set RLSTACK_IGNORE_SLURM=1")
+    raise ValueError(
+        "SLURM_JOB_ID is set but no SLURM_JOB_NODELIST: run inside an allocation "
+        "(sbatch/srun) or set RLSTACK_IGNORE_SLURM=1"
+    )
 
 
 def _slurm_node_rank(env: Mapping[str, str], hosts: list[str]) -> int:
@@ -237,15 +253,19 @@ def _slurm_node_rank(env: Mapping[str, str], hosts: list[str]) -> int:
     name = env.get("SLURMD_NODENAME")
     if name:
         if name not in hosts:
-            raise ValueError(f"this node ({name}) is not in the SLURM node list {hosts}: "
-                             f"run ppo.sh through srun on the allocated nodes")
+            raise ValueError(
+                f"this node ({name}) is not in the SLURM node list {hosts}: "
+                f"run ppo.sh through srun on the allocated nodes"
+            )
         return hosts.index(name)
     node_rank = _int_env(env, "SLURM_NODEID", None, minimum=0)
     if node_rank is None:
         raise ValueError("SLURM gives no SLURM_NODEID: start ppo.sh with srun (one task per node)")
     if node_rank >= len(hosts):
-        raise ValueError(f"SLURM_NODEID={node_rank} but the node list names {len(hosts)} nodes: "
-                         f"run ppo.sh through srun with one task per node")
+        raise ValueError(
+            f"SLURM_NODEID={node_rank} but the node list names {len(hosts)} nodes: "
+            f"run ppo.sh through srun with one task per node"
+        )
     return node_rank
 
 
@@ -259,8 +279,10 @@ def _slurm_nproc(env: Mapping[str, str], gpus: Callable[[], int], notes: list[st
             return parse_gpu_count(env[var], var)
     found = gpus()
     nproc = found or CPU_DEFAULT_NPROC
-    notes.append(f"SLURM gives no GPU count (SLURM_GPUS_ON_NODE): starting {nproc} processes per node "
-                 f"(request GPUs with --gpus-per-node or set NPROC_PER_NODE)")
+    notes.append(
+        f"SLURM gives no GPU count (SLURM_GPUS_ON_NODE): starting {nproc} processes per node "
+        f"(request GPUs with --gpus-per-node or set NPROC_PER_NODE)"
+    )
     return nproc
 
 

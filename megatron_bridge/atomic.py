@@ -85,4 +85,6 @@ def _wait_for(path: str, lock: str, build, timeout_s: float, required: tuple = (
         if not os.path.exists(lock):
             return build_once(path, build, timeout_s, required)
         time.sleep(0.5)
-    raise TimeoutError(f"waited {timeout_s:.0f}s for {path} to be built (lock {lock}): remove the lock if its builder died")
+    raise TimeoutError(
+        f"waited {timeout_s:.0f}s for {path} to be built (lock {lock}): remove the lock if its builder died"
+    )

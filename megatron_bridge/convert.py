@@ -51,13 +51,16 @@ def check_options(opts) -> str:
 def read_layout(mcore_dir: str) -> dict:
     path = os.path.join(mcore_dir, LAYOUT_FILE)
     if not os.path.isfile(path):
-        raise InputError(f"{mcore_dir} has no {LAYOUT_FILE}: pass a directory written by "
-                         f"`python -m megatron_bridge.convert --mcore-out` (an interrupted conversion leaves none)")
+        raise InputError(
+            f"{mcore_dir} has no {LAYOUT_FILE}: pass a directory written by "
+            f"`python -m megatron_bridge.convert --mcore-out` (an interrupted conversion leaves none)"
+        )
     with open(path) as f:
         return json.load(f)
 
 
 # ---------------------------------------------------------------- per-rank work
+
 
 def import_rank(hf_dir: str, out_dir: str, groups) -> dict:
     """This rank's stage from HF, saved into the shared dist checkpoint."""
@@ -78,8 +81,13 @@ def import_rank(hf_dir: str, out_dir: str, groups) -> dict:
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     dist.barrier(group=groups.world)
     if groups.rank == 0:
-        layout = {"version": LAYOUT_VERSION, "tp": groups.dims.tp, "pp": groups.dims.pp,
-                  "hf_config": read_hf_config(hf_dir), "source": os.path.abspath(hf_dir)}
+        layout = {
+            "version": LAYOUT_VERSION,
+            "tp": groups.dims.tp,
+            "pp": groups.dims.pp,
+            "hf_config": read_hf_config(hf_dir),
+            "source": os.path.abspath(hf_dir),
+        }
         with open(os.path.join(out_dir, LAYOUT_FILE), "w") as f:
             json.dump(layout, f, indent=2)
     return {"load_s": loaded - start, "save_s": time.time() - loaded}
@@ -103,8 +111,13 @@ def export_rank(mcore_dir: str, hf_out: str, groups) -> dict:
     check_layout(args, groups.dims)
     start = time.time()
     config = transformer_config(args, groups.dims.tp, groups.dims.pp)
-    model = build_gpt(args, config, pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
-                      padded_vocab=args.padded_vocab_size(groups.dims.tp))
+    model = build_gpt(
+        args,
+        config,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        padded_vocab=args.padded_vocab_size(groups.dims.tp),
+    )
     load_mcore_checkpoint(model, os.path.join(mcore_dir, MCORE_SUBDIR))
     loaded = time.time()
     state = gather_hf_state_dict(model, args, groups)
@@ -134,17 +147,28 @@ def run_rank(mode: str, opts) -> dict:
         destroy_distributed()
     if groups.rank == 0:
         for rank, s in enumerate(everyone):
-            print(f"rank {rank}: load_s={s['load_s']:.1f} save_s={s['save_s']:.1f} "
-                  f"peak_rss_mib={s['peak_rss_mib']:.0f}", flush=True)
+            print(
+                f"rank {rank}: load_s={s['load_s']:.1f} save_s={s['save_s']:.1f} peak_rss_mib={s['peak_rss_mib']:.0f}",
+                flush=True,
+            )
     return stats
 
 
 # ---------------------------------------------------------------- launching
 
+
 def _spawned_rank(local_rank: int, world_size: int, port: int, threads: int, mode: str, opts) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local_rank),
-                       "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": str(threads),
+        }
+    )
     run_rank(mode, opts)
 
 
@@ -187,16 +211,19 @@ def main(argv=None) -> int:
     world = opts.tp * opts.pp
     if "WORLD_SIZE" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise InputError(f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP={world}: use "
-                             f"--nproc_per_node={world} or run without torchrun")
+            raise InputError(
+                f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP={world}: use "
+                f"--nproc_per_node={world} or run without torchrun"
+            )
         run_rank(mode, opts)
         return 0
     import torch.multiprocessing as mp
 
     threads = max(1, (os.cpu_count() or 1) // world)
     start = time.time()
-    mp.start_processes(_spawned_rank, args=(world, free_port(), threads, mode, opts), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _spawned_rank, args=(world, free_port(), threads, mode, opts), nprocs=world, start_method="spawn"
+    )
     print(f"{mode} done in {time.time() - start:.1f}s: {opts.mcore_out or opts.hf_out}", flush=True)
     return 0
 

@@ -64,8 +64,7 @@ def _patch_rng_tracker() -> None:
 
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    cuda_ns = _Proxy(torch.cuda, get_rng_state=lambda *a, **k: torch.get_rng_state(),
-                     manual_seed=torch.manual_seed)
+    cuda_ns = _Proxy(torch.cuda, get_rng_state=lambda *a, **k: torch.get_rng_state(), manual_seed=torch.manual_seed)
     mrandom.torch = _Proxy(torch, cuda=cuda_ns)
 
 

@@ -31,13 +31,23 @@ from megatron_bridge.mappings import (
     to_local_name,
 )
 
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth",
-                   ".gguf", ".msgpack", ".h5")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".safetensors.index.json",
+    ".bin",
+    ".bin.index.json",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".msgpack",
+    ".h5",
+)
 SAFE_NAME, INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
-MAX_SHARD_BYTES = 5 * 1024 ** 3
+MAX_SHARD_BYTES = 5 * 1024**3
 
 
 # ---------------------------------------------------------------- paths and config
+
 
 def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: Optional[str] = None) -> str:
     """`default` -> the embedded SmolLM2 (provisioned once), `tiny` -> a tiny random model, else an HF dir."""
@@ -75,6 +85,7 @@ def check_layout(args, dims) -> None:
 
 
 # ---------------------------------------------------------------- reading slices
+
 
 class SafetensorsReader:
     """HF tensors by name from model.safetensors or a sharded index, read by slice."""
@@ -118,8 +129,8 @@ class SafetensorsReader:
         if piece.dim is None:
             return s[:]
         if piece.dim == 0:
-            return s[piece.start:piece.stop]
-        return s[:, piece.start:piece.stop]
+            return s[piece.start : piece.stop]
+        return s[:, piece.start : piece.stop]
 
 
 def check_hf_tensors(reader: SafetensorsReader, args, te_spec: bool = False) -> None:
@@ -127,28 +138,42 @@ def check_hf_tensors(reader: SafetensorsReader, args, te_spec: bool = False) -> 
     by_hf = hf_to_megatron_names(args, te_spec)
     missing = sorted(n for n in by_hf if n not in reader.files)
     if missing:
-        raise InputError(f"{reader.hf_dir} lacks {len(missing)} tensor(s) the {args.arch} mapping needs: "
-                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}: is it a complete checkpoint?")
+        raise InputError(
+            f"{reader.hf_dir} lacks {len(missing)} tensor(s) the {args.arch} mapping needs: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}: is it a complete checkpoint?"
+        )
     tied_extra = {"lm_head.weight"} if args.tie_word_embeddings else set()  # a tied copy some tools save
     unused = sorted(n for n in reader.files if n not in by_hf and n not in tied_extra and not is_ignored_hf(n))
     if unused:
-        raise InputError(f"{reader.hf_dir} has tensor(s) the {args.arch} mapping does not use: "
-                         f"{', '.join(unused[:8])}: this model variant is not supported by the bridge")
+        raise InputError(
+            f"{reader.hf_dir} has tensor(s) the {args.arch} mapping does not use: "
+            f"{', '.join(unused[:8])}: this model variant is not supported by the bridge"
+        )
     for name, uses in by_hf.items():
         m, i = uses[0]
         if reader.shape(name) != m.hf_shapes[i]:
-            raise InputError(f"shape mismatch for {name}: checkpoint {list(reader.shape(name))}, config.json "
-                             f"implies {list(m.hf_shapes[i])}: the config and the weights disagree")
+            raise InputError(
+                f"shape mismatch for {name}: checkpoint {list(reader.shape(name))}, config.json "
+                f"implies {list(m.hf_shapes[i])}: the config and the weights disagree"
+            )
 
 
 # ---------------------------------------------------------------- import
+
 
 def uses_te_spec(model) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
 
 
-def load_hf_weights(model, hf_dir: str, args, groups, te_spec: Optional[bool] = None,
-                    divisible_by: int = 128, skip: tuple[str, ...] = ()) -> None:
+def load_hf_weights(
+    model,
+    hf_dir: str,
+    args,
+    groups,
+    te_spec: Optional[bool] = None,
+    divisible_by: int = 128,
+    skip: tuple[str, ...] = (),
+) -> None:
     """Fill one pipeline stage's GPTModel in place from an HF checkpoint, reading only owned slices.
 
     `skip`: local parameter names left alone (e.g. a value head's `output_layer.weight`).
@@ -169,13 +194,21 @@ def load_hf_weights(model, hf_dir: str, args, groups, te_spec: Optional[bool] = 
             parts = [reader.read(name, piece) for name, piece in zip(m.hf, pieces)]
             shard = layouts.megatron_pack(m.transform, parts, tp_size, args, divisible_by)
             if shard.shape != param.shape:
-                raise ValueError(f"shape mismatch for {local_name} (from {', '.join(m.hf)}): HF gives "
-                                 f"{list(shard.shape)}, the Megatron model has {list(param.shape)}")
+                raise ValueError(
+                    f"shape mismatch for {local_name} (from {', '.join(m.hf)}): HF gives "
+                    f"{list(shard.shape)}, the Megatron model has {list(param.shape)}"
+                )
             param.copy_(shard)
 
 
-def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float32, value_head: bool = False,
-                           recompute: bool = False, value_head_seed: int = 0):
+def build_megatron_from_hf(
+    hf_dir: str,
+    groups,
+    dtype: torch.dtype = torch.float32,
+    value_head: bool = False,
+    recompute: bool = False,
+    value_head_seed: int = 0,
+):
     """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args).
 
     With `value_head`, the last stage's scalar head is initialised from `value_head_seed` (the HF
@@ -186,8 +219,14 @@ def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float
     check_layout(args, groups.dims)
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
-    model = build_gpt(args, config, pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
-                      padded_vocab=args.padded_vocab_size(tp), value_head=value_head)
+    model = build_gpt(
+        args,
+        config,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        padded_vocab=args.padded_vocab_size(tp),
+        value_head=value_head,
+    )
     has_value_head = isinstance(getattr(model, "output_layer", None), ValueHead)
     load_hf_weights(model, hf_dir, args, groups, skip=("output_layer.weight",) if has_value_head else ())
     if has_value_head:
@@ -196,6 +235,7 @@ def build_megatron_from_hf(hf_dir: str, groups, dtype: torch.dtype = torch.float
 
 
 # ---------------------------------------------------------------- export
+
 
 def export_maps(args, te_spec: bool = False) -> list[ParamMap]:
     return [m for m in param_maps(args, te_spec) if m.export]
@@ -249,8 +289,9 @@ def gather_hf_state_dict(model, args, groups) -> Optional[dict[str, torch.Tensor
     return out if groups.rank == 0 else None
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], args, out_dir: str, source_hf_dir: str,
-            max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+def save_hf(
+    state_dict: dict[str, torch.Tensor], args, out_dir: str, source_hf_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> str:
     """Write an HF directory: config.json and tokenizer files copied from the source, safetensors weights.
 
     A tied output embedding is stored once (as transformers does); a checkpoint larger than
@@ -264,8 +305,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], args, out_dir: str, source_hf_d
         raise ValueError(f"state dict lacks {len(missing)} tensor(s): {', '.join(missing[:8])}")
     os.makedirs(out_dir, exist_ok=True)
     copy_side_files(source_hf_dir, out_dir)
-    _write_safetensors({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, out_dir,
-                       max_shard_bytes)
+    _write_safetensors({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, out_dir, max_shard_bytes)
     return out_dir
 
 

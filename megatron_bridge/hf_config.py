@@ -36,7 +36,9 @@ def read_config_file(path: str) -> dict:
     except FileNotFoundError:
         raise InputError(f"model config {path} not found: pass the model's config.json") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"model config {path} is not valid JSON ({e}): re-save the model or restore the file") from None
+        raise InputError(
+            f"model config {path} is not valid JSON ({e}): re-save the model or restore the file"
+        ) from None
     if not isinstance(config, dict):
         raise InputError(f"model config {path} must hold a JSON object: re-save the model")
     check_hf_config(config, path)
@@ -46,8 +48,10 @@ def read_config_file(path: str) -> dict:
 def check_hf_config(config: dict, source: str) -> None:
     missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
     if missing:
-        raise InputError(f"model config {source} lacks {', '.join(repr(k) for k in missing)}: it is incomplete; "
-                         "re-save the model with save_pretrained")
+        raise InputError(
+            f"model config {source} lacks {', '.join(repr(k) for k in missing)}: it is incomplete; "
+            "re-save the model with save_pretrained"
+        )
     for key in REQUIRED_KEYS + ("num_key_value_heads",):
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -95,10 +99,16 @@ class ModelArgs:
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
         return cls(
-            arch=arch, vocab_size=get("vocab_size"), hidden_size=hidden, num_layers=get("num_hidden_layers"),
-            num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
-            ffn_hidden_size=get("intermediate_size"), head_dim=get("head_dim") or hidden // heads,
-            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(get),
+            arch=arch,
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            num_layers=get("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_query_groups=get("num_key_value_heads") or heads,
+            ffn_hidden_size=get("intermediate_size"),
+            head_dim=get("head_dim") or hidden // heads,
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(get),
             max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),

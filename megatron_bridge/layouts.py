@@ -68,6 +68,7 @@ def _as_list(tensors: Tensors) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------- vocabulary padding (both engines)
 
+
 def vocab_rows(vocab_size: int, padded_vocab: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """Real (unpadded) vocabulary rows [start, stop) held by a rank; may be empty on the last ranks."""
     start, stop = _split(padded_vocab, tp_rank, tp_size, "padded vocabulary")
@@ -92,6 +93,7 @@ def vllm_padded_vocab(vocab_size: int, pad_to: int = VLLM_VOCAB_PADDING) -> int:
 
 
 # ---------------------------------------------------------------- QKV and gate/up (whole model)
+
 
 def qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
     """HF q [heads*d, ...], k/v [groups*d, ...] -> Megatron fused rows [(heads + 2*groups)*d, ...]."""
@@ -123,8 +125,10 @@ def gate_up_split(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- Megatron TP
 
-def megatron_pieces(transform: str, hf_shapes: Sequence[Sequence[int]], tp_rank: int, tp_size: int, args,
-                    divisible_by: int = 128) -> list[Piece]:
+
+def megatron_pieces(
+    transform: str, hf_shapes: Sequence[Sequence[int]], tp_rank: int, tp_size: int, args, divisible_by: int = 128
+) -> list[Piece]:
     """Which part of each HF tensor Megatron TP rank `tp_rank` owns."""
     _check_transform(transform)
     if transform == "replicate":
@@ -151,13 +155,16 @@ def _check_heads(args, tp_size: int) -> None:
 
 def _grouped_rows(hf_shapes, args, tp_rank: int, tp_size: int) -> list[Piece]:
     q_rows, kv_rows = hf_shapes[0][0], hf_shapes[1][0]
-    return [Piece(0, *_split(q_rows, tp_rank, tp_size, "q heads")),
-            Piece(0, *_split(kv_rows, tp_rank, tp_size, "k heads")),
-            Piece(0, *_split(kv_rows, tp_rank, tp_size, "v heads"))]
+    return [
+        Piece(0, *_split(q_rows, tp_rank, tp_size, "q heads")),
+        Piece(0, *_split(kv_rows, tp_rank, tp_size, "k heads")),
+        Piece(0, *_split(kv_rows, tp_rank, tp_size, "v heads")),
+    ]
 
 
-def megatron_pack(transform: str, parts: Sequence[torch.Tensor], tp_size: int, args,
-                  divisible_by: int = 128) -> torch.Tensor:
+def megatron_pack(
+    transform: str, parts: Sequence[torch.Tensor], tp_size: int, args, divisible_by: int = 128
+) -> torch.Tensor:
     """A TP rank's Megatron parameter from its owned pieces (in HF tensor order)."""
     _check_transform(transform)
     if transform == "vocab":
@@ -169,8 +176,9 @@ def megatron_pack(transform: str, parts: Sequence[torch.Tensor], tp_size: int, a
     return parts[0]
 
 
-def megatron_shard(transform: str, full: Tensors, tp_rank: int, tp_size: int, args,
-                   divisible_by: int = 128) -> torch.Tensor:
+def megatron_shard(
+    transform: str, full: Tensors, tp_rank: int, tp_size: int, args, divisible_by: int = 128
+) -> torch.Tensor:
     """Full HF tensor(s) of one rule -> Megatron TP rank `tp_rank`'s parameter."""
     tensors = _as_list(full)
     pieces = megatron_pieces(transform, [t.shape for t in tensors], tp_rank, tp_size, args, divisible_by)
@@ -199,6 +207,7 @@ def megatron_unshard(transform: str, shards: Sequence[torch.Tensor], args) -> tu
 
 # ---------------------------------------------------------------- vLLM TP
 
+
 def vllm_kv_heads(args, tp_size: int) -> tuple[int, int]:
     """(KV heads per rank, ranks sharing each KV head), as QKVParallelLinear.__init__ computes them."""
     groups = args.num_query_groups
@@ -213,8 +222,14 @@ def vllm_kv_heads(args, tp_size: int) -> tuple[int, int]:
     return groups // tp_size, 1
 
 
-def vllm_pieces(transform: str, hf_shapes: Sequence[Sequence[int]], tp_rank: int, tp_size: int, args,
-                pad_to: int = VLLM_VOCAB_PADDING) -> list[Piece]:
+def vllm_pieces(
+    transform: str,
+    hf_shapes: Sequence[Sequence[int]],
+    tp_rank: int,
+    tp_size: int,
+    args,
+    pad_to: int = VLLM_VOCAB_PADDING,
+) -> list[Piece]:
     """Which part of each HF tensor vLLM TP rank `tp_rank` loads."""
     _check_transform(transform)
     if transform == "vocab":
@@ -229,8 +244,9 @@ def vllm_pieces(transform: str, hf_shapes: Sequence[Sequence[int]], tp_rank: int
     return megatron_pieces(transform, hf_shapes, tp_rank, tp_size, args)
 
 
-def vllm_pack(transform: str, parts: Sequence[torch.Tensor], tp_size: int, args,
-              pad_to: int = VLLM_VOCAB_PADDING) -> torch.Tensor:
+def vllm_pack(
+    transform: str, parts: Sequence[torch.Tensor], tp_size: int, args, pad_to: int = VLLM_VOCAB_PADDING
+) -> torch.Tensor:
     """A vLLM TP rank's parameter from its owned pieces (in HF tensor order)."""
     _check_transform(transform)
     if transform == "vocab":
@@ -242,8 +258,9 @@ def vllm_pack(transform: str, parts: Sequence[torch.Tensor], tp_size: int, args,
     return parts[0]
 
 
-def vllm_shard(transform: str, full: Tensors, tp_rank: int, tp_size: int, args,
-               pad_to: int = VLLM_VOCAB_PADDING) -> torch.Tensor:
+def vllm_shard(
+    transform: str, full: Tensors, tp_rank: int, tp_size: int, args, pad_to: int = VLLM_VOCAB_PADDING
+) -> torch.Tensor:
     """Full HF tensor(s) of one rule -> vLLM TP rank `tp_rank`'s parameter (qkv_proj, gate_up_proj, ...)."""
     tensors = _as_list(full)
     pieces = vllm_pieces(transform, [t.shape for t in tensors], tp_rank, tp_size, args, pad_to)

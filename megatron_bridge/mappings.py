@@ -46,24 +46,46 @@ class Rule:
 
 LLAMA = (
     Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "vocab", (("V", "H"),)),
-    Rule((_HF_LAYER + "input_layernorm.weight",), _LAYER + "input_layernorm.weight", "replicate", (("H",),),
-         megatron_te=_LAYER + "self_attention.linear_qkv.layer_norm_weight"),
-    Rule(tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), _LAYER + "self_attention.linear_qkv.weight",
-         "qkv", (("Q", "H"), ("KV", "H"), ("KV", "H"))),
-    Rule((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", "row",
-         (("H", "Q"),)),
-    Rule((_HF_LAYER + "post_attention_layernorm.weight",), _LAYER + "pre_mlp_layernorm.weight", "replicate",
-         (("H",),), megatron_te=_LAYER + "mlp.linear_fc1.layer_norm_weight"),
-    Rule((_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), _LAYER + "mlp.linear_fc1.weight",
-         "gate_up", (("F", "H"), ("F", "H"))),
+    Rule(
+        (_HF_LAYER + "input_layernorm.weight",),
+        _LAYER + "input_layernorm.weight",
+        "replicate",
+        (("H",),),
+        megatron_te=_LAYER + "self_attention.linear_qkv.layer_norm_weight",
+    ),
+    Rule(
+        tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        _LAYER + "self_attention.linear_qkv.weight",
+        "qkv",
+        (("Q", "H"), ("KV", "H"), ("KV", "H")),
+    ),
+    Rule((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", "row", (("H", "Q"),)),
+    Rule(
+        (_HF_LAYER + "post_attention_layernorm.weight",),
+        _LAYER + "pre_mlp_layernorm.weight",
+        "replicate",
+        (("H",),),
+        megatron_te=_LAYER + "mlp.linear_fc1.layer_norm_weight",
+    ),
+    Rule(
+        (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
+        _LAYER + "mlp.linear_fc1.weight",
+        "gate_up",
+        (("F", "H"), ("F", "H")),
+    ),
     Rule((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", "row", (("H", "F"),)),
     Rule(("model.norm.weight",), "decoder.final_layernorm.weight", "replicate", (("H",),)),
     Rule(("lm_head.weight",), "output_layer.weight", "vocab", (("V", "H"),), when="untied"),
     Rule(("model.embed_tokens.weight",), "output_layer.weight", "vocab", (("V", "H"),), when="tied", export=False),
 )
 QKV_BIAS = (
-    Rule(tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), _LAYER + "self_attention.linear_qkv.bias",
-         "qkv", (("Q",), ("KV",), ("KV",)), when="qkv_bias"),
+    Rule(
+        tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
+        _LAYER + "self_attention.linear_qkv.bias",
+        "qkv",
+        (("Q",), ("KV",), ("KV",)),
+        when="qkv_bias",
+    ),
 )
 # Qwen2 is Llama plus QKV bias; Llama checkpoints with attention_bias=True also carry o_proj.bias,
 # which no rule consumes, so the loader rejects them by name (Megatron's Llama has no such bias).
@@ -92,15 +114,20 @@ def declaration(arch: str) -> tuple[Rule, ...]:
 
 def _applies(rule: Rule, args) -> bool:
     return {
-        None: True, "tied": args.tie_word_embeddings, "untied": not args.tie_word_embeddings,
+        None: True,
+        "tied": args.tie_word_embeddings,
+        "untied": not args.tie_word_embeddings,
         "qkv_bias": args.qkv_bias,
     }[rule.when]
 
 
 def _dims(args) -> dict[str, int]:
     return {
-        "V": args.vocab_size, "H": args.hidden_size, "F": args.ffn_hidden_size,
-        "Q": args.num_attention_heads * args.head_dim, "KV": args.num_query_groups * args.head_dim,
+        "V": args.vocab_size,
+        "H": args.hidden_size,
+        "F": args.ffn_hidden_size,
+        "Q": args.num_attention_heads * args.head_dim,
+        "KV": args.num_query_groups * args.head_dim,
     }
 
 
@@ -114,11 +141,16 @@ def param_maps(args, te_spec: bool = False) -> list[ParamMap]:
             if ("{layer}" in rule.megatron) != (layer is not None):
                 continue
             name = (rule.megatron_te if te_spec and rule.megatron_te else rule.megatron).format(layer=layer)
-            out.append(ParamMap(
-                megatron=name, hf=tuple(h.format(layer=layer) for h in rule.hf), transform=rule.transform,
-                hf_shapes=tuple(tuple(dims[d] for d in shape) for shape in rule.shapes), layer=layer,
-                export=rule.export,
-            ))
+            out.append(
+                ParamMap(
+                    megatron=name,
+                    hf=tuple(h.format(layer=layer) for h in rule.hf),
+                    transform=rule.transform,
+                    hf_shapes=tuple(tuple(dims[d] for d in shape) for shape in rule.shapes),
+                    layer=layer,
+                    export=rule.export,
+                )
+            )
     # embedding first, then layers, then the last stage's tensors (final norm, output layer)
     first = [m for m in out if m.megatron.startswith("embedding.")]
     last = [m for m in out if m.layer is None and not m.megatron.startswith("embedding.")]

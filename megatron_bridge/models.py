@@ -20,24 +20,51 @@ log = logging.getLogger("megatron_bridge")
 _SPEC_LOGGED = False
 
 
-def transformer_config(args: ModelArgs, tp: int, pp: int, dtype: torch.dtype = torch.float32,
-                       recompute: bool = False, init_weights: bool = False):
+def transformer_config(
+    args: ModelArgs,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype = torch.float32,
+    recompute: bool = False,
+    init_weights: bool = False,
+):
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.head_dim, normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=args.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=not on_gpu, perform_initialization=init_weights,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=init_weights,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
         recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 
@@ -66,16 +93,23 @@ def _have_transformer_engine() -> bool:
     return True
 
 
-def build_gpt(args: ModelArgs, config, pre_process: bool, post_process: bool, padded_vocab: int,
-              value_head: bool = False):
+def build_gpt(
+    args: ModelArgs, config, pre_process: bool, post_process: bool, padded_vocab: int, value_head: bool = False
+):
     """One pipeline stage of a GPTModel; `value_head` swaps the LM head for a scalar head."""
     from megatron.core.models.gpt import GPTModel
 
     tie = args.tie_word_embeddings and not value_head
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(), vocab_size=padded_vocab,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        parallel_output=True, share_embeddings_and_output_weights=tie, position_embedding_type="rope",
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
     )
     if value_head and post_process:

@@ -122,12 +122,17 @@ def start_world(backend: str, timeout_minutes: int, world_size: int, rank: int) 
     if dist.is_initialized():
         return
     _default_rendezvous_env()
-    dist.init_process_group(backend=process_group_backend(backend),
-                            timeout=datetime.timedelta(minutes=timeout_minutes), world_size=world_size, rank=rank)
+    dist.init_process_group(
+        backend=process_group_backend(backend),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        world_size=world_size,
+        rank=rank,
+    )
 
 
-def init_distributed(tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30,
-                     seed: int = 0) -> ParallelGroups:
+def init_distributed(
+    tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30, seed: int = 0
+) -> ParallelGroups:
     """Start torch.distributed (env:// as torchrun sets it, or a world of one) and megatron groups."""
     import torch
     from megatron.core import parallel_state as ps
@@ -143,8 +148,9 @@ def init_distributed(tp: int, pp: int, dp: int = -1, backend: str = "auto", time
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 distributed_timeout_minutes=timeout_minutes)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return _collect_groups(dims, local_rank, backend)
 
@@ -170,12 +176,19 @@ def _collect_groups(dims: ParallelDims, local_rank: int, backend: str) -> Parall
 
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return ParallelGroups(
-        dims=dims, rank=dist.get_rank(), local_rank=local_rank,
-        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dims=dims,
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
-        dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
-        embd=ps.get_embedding_group() if dims.pp > 1 else None, world=dist.group.WORLD, device=device,
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        mp=ps.get_model_parallel_group(),
+        embd=ps.get_embedding_group() if dims.pp > 1 else None,
+        world=dist.group.WORLD,
+        device=device,
     )
 
 

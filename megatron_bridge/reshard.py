@@ -71,9 +71,17 @@ class ReshardPlan:
 
 # ---------------------------------------------------------------------- plan (pure)
 
+
 @functools.lru_cache(maxsize=64)
-def plan_reshard(args, train_tp: int, train_pp: int, rollout_tp: int, engine_kind: str, te_spec: bool = False,
-                 divisible_by: int = 128) -> ReshardPlan:
+def plan_reshard(
+    args,
+    train_tp: int,
+    train_pp: int,
+    rollout_tp: int,
+    engine_kind: str,
+    te_spec: bool = False,
+    divisible_by: int = 128,
+) -> ReshardPlan:
     """Which span of which Megatron shard each rollout TP rank needs, for every engine tensor."""
     if engine_kind not in ENGINE_KINDS:
         raise ValueError(f"engine_kind={engine_kind!r} is unknown: use one of {', '.join(ENGINE_KINDS)}")
@@ -95,8 +103,9 @@ def plan_reshard(args, train_tp: int, train_pp: int, rollout_tp: int, engine_kin
             for name, dst_ids, shape in _engine_tensors(m, ids, axis, j, rollout_tp, engine_kind, args):
                 spans = _spans(dst_ids, where, local, stage, axis, replicated)
                 ranks[j].append(TensorPlan(name, shape, group, spans, complete=bool((dst_ids >= 0).all())))
-    return ReshardPlan(train_tp, train_pp, rollout_tp, engine_kind, tuple(sources), tuple(numel),
-                       tuple(tuple(r) for r in ranks))
+    return ReshardPlan(
+        train_tp, train_pp, rollout_tp, engine_kind, tuple(sources), tuple(numel), tuple(tuple(r) for r in ranks)
+    )
 
 
 def _numel(shape) -> int:
@@ -151,7 +160,7 @@ def _engine_tensors(m, ids, axis: int, j: int, k: int, engine_kind: str, args):
         flat = full.reshape(-1)
         if piece.dim is not None and (piece.start, piece.stop) != (0, flat.numel()):
             needed = torch.full_like(flat, -1)
-            needed[piece.start:piece.stop] = flat[piece.start:piece.stop]
+            needed[piece.start : piece.stop] = flat[piece.start : piece.stop]
             flat = needed
         yield name, flat, tuple(shape)
 
@@ -188,6 +197,7 @@ def _spans(dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replic
 
 # ---------------------------------------------------------------------- execute
 
+
 @dataclass
 class SyncStats:
     seconds: float = 0.0
@@ -197,8 +207,12 @@ class SyncStats:
     verify_max_diff: Optional[float] = None  # engine vs actor log-probs on a probe after this sync, if checked
 
     def as_metrics(self) -> dict:
-        out = {"sync/seconds": self.seconds, "sync/bytes": self.bytes,
-               "sync/bytes_received": self.bytes_received, "sync/peak_extra_bytes": self.peak_extra_bytes}
+        out = {
+            "sync/seconds": self.seconds,
+            "sync/bytes": self.bytes,
+            "sync/bytes_received": self.bytes_received,
+            "sync/peak_extra_bytes": self.peak_extra_bytes,
+        }
         if self.verify_max_diff is not None:
             out["sync/verify_max_diff"] = self.verify_max_diff
         return out
@@ -222,8 +236,9 @@ class WeightSync:
     twice, a local one once) or "p2p" (torch.distributed isend/irecv: NCCL on GPUs, across hosts).
     """
 
-    def __init__(self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128,
-                 transport: str = "auto"):
+    def __init__(
+        self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128, transport: str = "auto"
+    ):
         if bucket_mb <= 0:
             raise InputError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
         if transport not in ("auto", "shm", "p2p"):
@@ -246,8 +261,9 @@ class WeightSync:
         if transport == "shm" and not (one_host and self.device.type == "cpu"):
             raise InputError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
         # A group of one (training TP1 x PP1) copies locally only: no transport at all.
-        self.shm = len(members) > 1 and (transport == "shm" or (transport == "auto" and one_host
-                                                                 and self.device.type == "cpu"))
+        self.shm = len(members) > 1 and (
+            transport == "shm" or (transport == "auto" and one_host and self.device.type == "cpu")
+        )
         self.buckets, slot_numel = self._schedule(peers, members, int(bucket_mb * (1 << 20)))
         self.boxes, self.slot_numel = _open_outboxes(groups, members, slot_numel, self.dtype) if self.shm else ({}, {})
         self.last: Optional[SyncStats] = None
@@ -293,8 +309,9 @@ class WeightSync:
                         buckets[b].sends.setdefault(reader, []).append(key)
         for b, bucket in enumerate(buckets):
             bucket.outbox = outboxes.get((b, me), {})
-        slot_numel = {q: max([n for (_, src, r), n in used.items() if src == q and r is None], default=1)
-                      for q in members}
+        slot_numel = {
+            q: max([n for (_, src, r), n in used.items() if src == q and r is None], default=1) for q in members
+        }
         return buckets, slot_numel
 
     def _numel(self, key) -> int:
@@ -333,16 +350,18 @@ class WeightSync:
             for i in b.tensors:
                 yield self.mine[i].name, staged.pop(i)
 
-    def _run_bucket(self, index: int, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats,
-                    staged_bytes: int) -> None:
+    def _run_bucket(
+        self, index: int, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats, staged_bytes: int
+    ) -> None:
         elem = torch.empty((), dtype=self.dtype).element_size()
         if self.shm:
             inboxes, wait = self._publish(index, b)
             buffers = 2 * self.slot_numel[self.groups.rank] * elem
         else:
             inboxes, wait = self._exchange(b)
-            buffers = sum(t.numel() * elem for t in inboxes.values()) + sum(self._numel(k) * elem for ks in
-                                                                            b.sends.values() for k in ks)
+            buffers = sum(t.numel() * elem for t in inboxes.values()) + sum(
+                self._numel(k) * elem for ks in b.sends.values() for k in ks
+            )
         for i, s in b.local:  # overlaps the transfers
             dst = target(i).narrow(s.axis, s.dst_start, s.length)
             if s.src is None:
@@ -354,7 +373,7 @@ class WeightSync:
         for q, items in b.reads.items():
             for i, s, offset in items:
                 dst = target(i).narrow(s.axis, s.dst_start, s.length)
-                dst.copy_(inboxes[q][offset:offset + dst.numel()].view(dst.shape))
+                dst.copy_(inboxes[q][offset : offset + dst.numel()].view(dst.shape))
                 stats.bytes += dst.numel() * elem
                 stats.bytes_received += dst.numel() * elem
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, buffers + staged_bytes)
@@ -368,8 +387,8 @@ class WeightSync:
         base = slot * self.slot_numel[self.groups.rank]
         for key, offset in b.outbox.items():
             src = self._span(key)
-            mine[base + offset:base + offset + src.numel()].view(src.shape).copy_(src)
-        inboxes = {q: self.boxes[q][slot * self.slot_numel[q]:(slot + 1) * self.slot_numel[q]] for q in b.reads}
+            mine[base + offset : base + offset + src.numel()].view(src.shape).copy_(src)
+        inboxes = {q: self.boxes[q][slot * self.slot_numel[q] : (slot + 1) * self.slot_numel[q]] for q in b.reads}
         return inboxes, lambda: dist.barrier(group=self.groups.mp)
 
     def _exchange(self, b: _Bucket):
@@ -377,8 +396,14 @@ class WeightSync:
         import torch.distributed as dist
 
         sends = {r: self._pack(keys) for r, keys in b.sends.items()}
-        recvs = {q: torch.empty(sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in
-                                    items), dtype=self.dtype, device=self.device) for q, items in b.reads.items()}
+        recvs = {
+            q: torch.empty(
+                sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in items),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for q, items in b.reads.items()
+        }
         ops = [dist.P2POp(dist.isend, buf, r) for r, buf in sends.items()]
         ops += [dist.P2POp(dist.irecv, buf, q) for q, buf in recvs.items()]
         requests = dist.batch_isend_irecv(ops) if ops else []
@@ -389,7 +414,7 @@ class WeightSync:
         offset = 0
         for key in keys:
             src = self._span(key)
-            buf[offset:offset + src.numel()].view(src.shape).copy_(src)
+            buf[offset : offset + src.numel()].view(src.shape).copy_(src)
             offset += src.numel()
         return buf
 
@@ -401,16 +426,18 @@ class WeightSync:
 
         problems = self._source_problems()
         targets = self.engine.param_targets() if self.direct else None
-        have = ({n: tuple(t.shape) for n, t in targets.items()} if targets is not None
-                else self.engine.expected_shapes())
+        have = {n: tuple(t.shape) for n, t in targets.items()} if targets is not None else self.engine.expected_shapes()
         want = {t.name: t.shape for t in self.mine}
         missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing:
             problems.append(f"the {self.engine.kind} engine has no tensor {missing[:4]}")
         if stale:
             problems.append(f"engine tensors {stale[:4]} have no Megatron source and would stay stale")
-        problems += [f"{n}: engine shape {list(have[n])}, Megatron layout gives {list(want[n])}"
-                     for n in sorted(set(want) & set(have)) if have[n] != want[n]]
+        problems += [
+            f"{n}: engine shape {list(have[n])}, Megatron layout gives {list(want[n])}"
+            for n in sorted(set(want) & set(have))
+            if have[n] != want[n]
+        ]
         failed = torch.tensor([len(problems)], dtype=torch.int64, device=self.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.groups.world)
         if problems:
@@ -440,8 +467,15 @@ def _gather_layout(groups, engine) -> dict:
 
     import torch.distributed as dist
 
-    mine = (groups.rank, groups.dp_rank, groups.tp_rank, groups.pp_rank, engine.tp_rank, socket.gethostname(),
-            engine.tp_size)
+    mine = (
+        groups.rank,
+        groups.dp_rank,
+        groups.tp_rank,
+        groups.pp_rank,
+        engine.tp_rank,
+        socket.gethostname(),
+        engine.tp_size,
+    )
     every = [None] * groups.dims.world_size
     dist.all_gather_object(every, mine, group=groups.world)
     sizes = {e[6] for e in every}
@@ -464,8 +498,9 @@ def _open_outboxes(groups, members: list[int], slot_numel: dict, dtype: torch.dt
     token = [uuid.uuid4().hex if groups.rank == members[0] else None]
     dist.broadcast_object_list(token, src=members[0], group=groups.mp)
     path = lambda r: f"/dev/shm/rlstack-sync-{token[0]}-{r}"  # noqa: E731
-    boxes = {groups.rank: torch.from_file(path(groups.rank), shared=True, size=2 * slot_numel[groups.rank],
-                                          dtype=dtype)}
+    boxes = {
+        groups.rank: torch.from_file(path(groups.rank), shared=True, size=2 * slot_numel[groups.rank], dtype=dtype)
+    }
     boxes[groups.rank].zero_()  # fault the pages in now, not during the first sync
     dist.barrier(group=groups.mp)
     page = 4096 // boxes[groups.rank].element_size()

@@ -40,8 +40,10 @@ class TinySpec:
 
 
 def _corpus() -> list[str]:
-    words = ("What is plus minus times the answer Add Subtract Multiply and give after #### "
-             "Tom has apples He buys more How many does now? Copy digit number final user assistant system")
+    words = (
+        "What is plus minus times the answer Add Subtract Multiply and give after #### "
+        "Tom has apples He buys more How many does now? Copy digit number final user assistant system"
+    )
     lines = [words]
     for a in range(0, 60, 3):
         for b in range(0, 30, 4):
@@ -60,13 +62,18 @@ def make_tiny_tokenizer(out_dir: str):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>",
-        bos_token="<|im_start|>", unk_token=None,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        unk_token=None,
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(out_dir)
@@ -92,11 +99,20 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta, rms_norm_eps=1e-6, tie_word_embeddings=spec.tie_word_embeddings,
-        eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id - 1, torch_dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=eos_id - 1,
+        torch_dtype="float32",
     )
     if spec.arch == "llama":
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
@@ -133,5 +149,8 @@ def ensure_tiny_checkpoint(spec: Optional[TinySpec] = None, cache_dir: str | Non
     spec = spec or TinySpec()
     key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
-    return build_once(path, lambda tmp: make_tiny_checkpoint(tmp, spec),
-                      required=("config.json", "model.safetensors", "tokenizer.json"))
+    return build_once(
+        path,
+        lambda tmp: make_tiny_checkpoint(tmp, spec),
+        required=("config.json", "model.safetensors", "tokenizer.json"),
+    )

@@ -52,6 +52,7 @@ def build_parser(prog: str = "python -m megatron_bridge.verify") -> argparse.Arg
 
 # ---------------------------------------------------------------- inputs and references
 
+
 def make_batch(hf_dir: str, vocab_size: int, seq_len: int) -> Batch:
     """Fixed prompts through the checkpoint's own tokenizer (fast or SentencePiece), right-padded."""
     from transformers import AutoTokenizer
@@ -59,13 +60,15 @@ def make_batch(hf_dir: str, vocab_size: int, seq_len: int) -> Batch:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len] for p in PROMPTS]
     if max(max(r) for r in rows) >= vocab_size:
-        raise InputError(f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
-                         f"config.json do not belong together")
+        raise InputError(
+            f"the tokenizer in {hf_dir} yields ids >= vocab_size={vocab_size}: tokenizer and "
+            f"config.json do not belong together"
+        )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, r in enumerate(rows):
-        input_ids[i, :len(r)] = torch.tensor(r)
+        input_ids[i, : len(r)] = torch.tensor(r)
     return Batch(input_ids=input_ids, lengths=torch.tensor([len(r) for r in rows]))
 
 
@@ -92,8 +95,8 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor) -> flo
 
 # ---------------------------------------------------------------- Megatron forward
 
-def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, micro_batch_size: int = 1
-                    ) -> torch.Tensor:
+
+def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, micro_batch_size: int = 1) -> torch.Tensor:
     """Full-vocabulary logits [B, S, vocab] on every rank of the model replica.
 
     Runs megatron's forward-only schedule (pipelined over micro-batches at PP > 1), gathers the last
@@ -113,8 +116,15 @@ def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, mic
     model.eval()
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
-            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=True, collect_non_loss_data=True)
+            forward_step_func=step,
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=len(micro),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     if groups.is_last_stage:
         logits = _gather_vocab(torch.cat(outputs, dim=0), groups)[..., :vocab_size].contiguous()
     else:
@@ -145,8 +155,9 @@ def _gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:
 ExtraCheck = Callable[..., dict]
 
 
-def run_checks(opts, hf_dir: str, groups, batch: Batch, reference, extra_checks: Sequence[ExtraCheck] = ()
-               ) -> dict[str, float]:
+def run_checks(
+    opts, hf_dir: str, groups, batch: Batch, reference, extra_checks: Sequence[ExtraCheck] = ()
+) -> dict[str, float]:
     """{check name: max |logit difference| vs transformers}, valid on global rank 0.
 
     `reference` is transformers' logits on rank 0 (None elsewhere); `extra_checks` run on the same model.
@@ -199,8 +210,9 @@ def _report(results: dict[str, float], tol: float, groups) -> bool:
             print(f"{name}={value:.3e}", flush=True)
         print(f"peak_rss_mib_rank0={_peak_rss_mib():.0f}", flush=True)
     # `not v <= tol` also fails NaN
-    verdict = torch.tensor([float(groups.rank == 0 and any(not v <= tol for v in results.values()))],
-                           device=groups.device)
+    verdict = torch.tensor(
+        [float(groups.rank == 0 and any(not v <= tol for v in results.values()))], device=groups.device
+    )
     dist.all_reduce(verdict, group=groups.world)
     return verdict.item() > 0
 

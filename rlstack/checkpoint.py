@@ -72,8 +72,11 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     """Published checkpoint directories under `root`, newest first (complete or not)."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    found = [
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))
+    ]
     return sorted(found, reverse=True)
 
 
@@ -98,24 +101,32 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist: pass a step_N directory, auto or never")
     marker_path = os.path.join(path, MARKER)
     if not os.path.isfile(marker_path):
-        raise CheckpointError(f"checkpoint {path} has no completion marker {MARKER}: its save never finished "
-                              "(interrupted run?), so it is not loaded; resume from another one or delete it")
+        raise CheckpointError(
+            f"checkpoint {path} has no completion marker {MARKER}: its save never finished "
+            "(interrupted run?), so it is not loaded; resume from another one or delete it"
+        )
     try:
         with open(marker_path) as f:
             marker = json.load(f)
         files, step = marker["files"], int(marker["step"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable completion marker ({e}): it is not loaded; "
-                              "resume from another one or delete it")
+        raise CheckpointError(
+            f"checkpoint {path} has an unreadable completion marker ({e}): it is not loaded; "
+            "resume from another one or delete it"
+        )
     for rel, size in sorted(files.items()):
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
-            raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing: it is not loaded; "
-                                  "resume from another one or delete it")
+            raise CheckpointError(
+                f"checkpoint {path} is incomplete: {rel} is missing: it is not loaded; "
+                "resume from another one or delete it"
+            )
         actual = os.path.getsize(full)
         if actual != size:
-            raise CheckpointError(f"checkpoint {path} is truncated: {rel} has {actual} bytes, the completion "
-                                  f"marker records {size}: it is not loaded; resume from another one or delete it")
+            raise CheckpointError(
+                f"checkpoint {path} is truncated: {rel} has {actual} bytes, the completion "
+                f"marker records {size}: it is not loaded; resume from another one or delete it"
+            )
     marker["step"] = step
     return marker
 
@@ -134,8 +145,10 @@ def find_latest(root: str) -> Optional[str]:
             log.warning("checkpoint.resume=auto falls back to %s, the newest complete checkpoint", path)
         return path
     if refused:
-        raise CheckpointError(f"no complete checkpoint in {root} ({len(refused)} refused: {refused[0]}): "
-                              "delete the broken ones or set checkpoint.resume=never to start afresh")
+        raise CheckpointError(
+            f"no complete checkpoint in {root} ({len(refused)} refused: {refused[0]}): "
+            "delete the broken ones or set checkpoint.resume=never to start afresh"
+        )
     return None
 
 
@@ -158,8 +171,10 @@ def resolve_path(path: str, what: str) -> str:
         with open(path) as f:
             path = os.path.join(os.path.dirname(path), f.read().strip())
     if not os.path.isdir(path):
-        raise CheckpointError(f"{what}={path}: no such directory: pass a checkpoint directory "
-                              "(.../checkpoints/step_N) or a checkpoints folder")
+        raise CheckpointError(
+            f"{what}={path}: no such directory: pass a checkpoint directory "
+            "(.../checkpoints/step_N) or a checkpoints folder"
+        )
     if not os.path.exists(os.path.join(path, MARKER)) and list_checkpoints(path):
         found = find_latest(path)
         assert found is not None  # find_latest raises when every checkpoint is refused
@@ -200,8 +215,9 @@ def _role_sharded_state(role, with_optimizer: bool, is_loading: bool) -> dict:
     model_sd = role.module.sharded_state_dict()
     state = {"model": model_sd}
     if with_optimizer:
-        state["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                               metadata=_optim_metadata(role.groups.device))
+        state["optimizer"] = role.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_optim_metadata(role.groups.device)
+        )
     return state
 
 
@@ -276,8 +292,12 @@ def rng_state() -> dict:
     import torch
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -349,8 +369,13 @@ class Checkpointer:
             self._publish(tmp, final)
             size = sum(marker["files"].values())
             self.last_save = {"seconds": time.perf_counter() - t0, "bytes": size, "path": final}
-            log.info("checkpoint step %d saved to %s in %.2f s (%.1f MiB)", step, final,
-                     self.last_save["seconds"], size / 2**20)
+            log.info(
+                "checkpoint step %d saved to %s in %.2f s (%.1f MiB)",
+                step,
+                final,
+                self.last_save["seconds"],
+                size / 2**20,
+            )
         self._barrier()  # published before any rank goes on
         return final
 
@@ -367,8 +392,10 @@ class Checkpointer:
 
         roles = parts.roles
         state = {
-            "step": parts.step, "states": {name: part.state_dict() for name, part in parts.states.items()},
-            "layout": _layout(self.groups), "roles": sorted(roles),
+            "step": parts.step,
+            "states": {name: part.state_dict() for name, part in parts.states.items()},
+            "layout": _layout(self.groups),
+            "roles": sorted(roles),
             "save_optimizer": bool(self.cfg.checkpoint.save_optimizer),
             "model_args": {name: asdict(role.args) for name, role in roles.items()},
             "value_head": {name: name == "critic" for name in roles},
@@ -410,16 +437,20 @@ class Checkpointer:
         g, t0 = self.groups, time.perf_counter()
         path = self._resolve_on_rank0()
         if path is None:
-            log.info("no checkpoint to resume from (checkpoint.resume=%s): starting at step 0",
-                     self.cfg.checkpoint.resume)
+            log.info(
+                "no checkpoint to resume from (checkpoint.resume=%s): starting at step 0", self.cfg.checkpoint.resume
+            )
             return 0
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
         roles = parts.roles
         _check_compatible(path, state, roles)
         if not state["save_optimizer"]:
-            log.warning("checkpoint %s holds no optimizer state (checkpoint.save_optimizer=false): "
-                        "Adam moments restart from zero", path)
+            log.warning(
+                "checkpoint %s holds no optimizer state (checkpoint.save_optimizer=false): "
+                "Adam moments restart from zero",
+                path,
+            )
         for name, role in roles.items():
             load_role(role, os.path.join(path, name), state["save_optimizer"])
         for name, part in parts.states.items():
@@ -459,8 +490,12 @@ class Checkpointer:
         import torch
 
         if saved_layout != _layout(self.groups):
-            log.warning("resume at a new layout (%s -> %s): per-rank RNG states are not restored; they keep "
-                        "this run's trainer.seed streams", saved_layout, _layout(self.groups))
+            log.warning(
+                "resume at a new layout (%s -> %s): per-rank RNG states are not restored; they keep "
+                "this run's trainer.seed streams",
+                saved_layout,
+                _layout(self.groups),
+            )
             return
         set_rng_state(torch.load(_rank_file(path, self.groups.rank), weights_only=False))
 
@@ -472,13 +507,17 @@ class Checkpointer:
 
 def _check_compatible(path: str, state: dict, roles: dict) -> None:
     if sorted(roles) != state["roles"]:
-        raise CheckpointError(f"checkpoint {path} holds roles {state['roles']}, this run trains {sorted(roles)}: "
-                              "resume with the same algorithm.name (ppo has a critic, grpo none) or "
-                              "set checkpoint.resume=never")
+        raise CheckpointError(
+            f"checkpoint {path} holds roles {state['roles']}, this run trains {sorted(roles)}: "
+            "resume with the same algorithm.name (ppo has a critic, grpo none) or "
+            "set checkpoint.resume=never"
+        )
     for name, role in roles.items():
         saved = state["model_args"][name]
         now = asdict(role.args)
         diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if diff:
-            raise CheckpointError(f"checkpoint {path} holds a different {name} model ({diff}, as saved vs now): "
-                                  "resume with the same model.path or set checkpoint.resume=never")
+            raise CheckpointError(
+                f"checkpoint {path} holds a different {name} model ({diff}, as saved vs now): "
+                "resume with the same model.path or set checkpoint.resume=never"
+            )

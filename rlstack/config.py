@@ -336,8 +336,10 @@ def _verl_hint(key: str, value: Any) -> Optional[str]:
     for leaf in [key] + _leaf_keys(key, value):
         target = rlstack_name_for(leaf)
         if target:
-            return (f"unknown config key '{leaf}': that is verl's name; rlstack's is {target} "
-                    "(python -m rlstack.from_verl translates a whole verl command line)")
+            return (
+                f"unknown config key '{leaf}': that is verl's name; rlstack's is {target} "
+                "(python -m rlstack.from_verl translates a whole verl command line)"
+            )
     return None
 
 
@@ -439,17 +441,30 @@ def check_values(cfg: ExperimentConfig) -> None:
         from rlstack.rewards import SCORERS  # pure Python, no torch
 
         if cfg.data.reward_scorer not in SCORERS:
-            raise ConfigError(f"'data.reward_scorer' is {cfg.data.reward_scorer!r}: choose one of "
-                              f"{', '.join(map(repr, sorted(SCORERS)))} or leave it empty")
+            raise ConfigError(
+                f"'data.reward_scorer' is {cfg.data.reward_scorer!r}: choose one of "
+                f"{', '.join(map(repr, sorted(SCORERS)))} or leave it empty"
+            )
     if not cfg.data.train_files and not cfg.data.synthetic:
         raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
 
 
 def _check_positive(cfg: ExperimentConfig) -> None:
-    for key in ("parallel.tp", "parallel.pp", "rollout.tp", "rollout.n", "rollout.max_new_tokens",
-                "rollout.micro_batch_size", "rollout.sync_bucket_mb", "algorithm.ppo_epochs",
-                "algorithm.micro_batch_size", "data.max_prompt_length", "data.train_batch_size",
-                "data.val_batch_size", "trainer.total_steps"):
+    for key in (
+        "parallel.tp",
+        "parallel.pp",
+        "rollout.tp",
+        "rollout.n",
+        "rollout.max_new_tokens",
+        "rollout.micro_batch_size",
+        "rollout.sync_bucket_mb",
+        "algorithm.ppo_epochs",
+        "algorithm.micro_batch_size",
+        "data.max_prompt_length",
+        "data.train_batch_size",
+        "data.val_batch_size",
+        "trainer.total_steps",
+    ):
         value = get_dotted(cfg, key)
         if value < 1:
             raise ConfigError(f"'{key}' is {value}: it must be at least 1")
@@ -481,8 +496,10 @@ _RANGES = (
 def _check_ranges(cfg: ExperimentConfig) -> None:
     t = cfg.rollout.temperature
     if not t > 0:
-        raise ConfigError(f"'rollout.temperature' is {t}: it must be > 0 (log-probs are of logits / temperature); "
-                          "for greedy decoding set rollout.top_k=1, or a small temperature such as 0.01")
+        raise ConfigError(
+            f"'rollout.temperature' is {t}: it must be > 0 (log-probs are of logits / temperature); "
+            "for greedy decoding set rollout.top_k=1, or a small temperature such as 0.01"
+        )
     for key, ok, what in _RANGES:
         value = get_dotted(cfg, key)
         if not ok(value):
@@ -500,14 +517,20 @@ def _check_schedule_ranges(cfg: ExperimentConfig) -> None:
         value = get_dotted(cfg, key)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"'{key}' is {value}: it must lie in [0, 1]")
-    for key in ("algorithm.actor_lr_warmup_steps", "algorithm.critic_lr_warmup_steps",
-                "algorithm.loss_scale_factor", "data.reward_timeout_s"):
+    for key in (
+        "algorithm.actor_lr_warmup_steps",
+        "algorithm.critic_lr_warmup_steps",
+        "algorithm.loss_scale_factor",
+        "data.reward_timeout_s",
+    ):
         value = get_dotted(cfg, key)
         if value < 0:
             raise ConfigError(f"'{key}' is {value}: it must be >= 0 (0: off or the default)")
     if a.actor_lr_warmup_steps > cfg.trainer.total_steps or a.critic_lr_warmup_steps > cfg.trainer.total_steps:
-        raise ConfigError(f"'algorithm.*_lr_warmup_steps' ({a.actor_lr_warmup_steps}, {a.critic_lr_warmup_steps}) "
-                          f"exceed trainer.total_steps={cfg.trainer.total_steps}: shorten the warm-up")
+        raise ConfigError(
+            f"'algorithm.*_lr_warmup_steps' ({a.actor_lr_warmup_steps}, {a.critic_lr_warmup_steps}) "
+            f"exceed trainer.total_steps={cfg.trainer.total_steps}: shorten the warm-up"
+        )
 
 
 def adv_estimator(cfg: ExperimentConfig) -> str:

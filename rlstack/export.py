@@ -28,8 +28,9 @@ log = logging.getLogger("rlstack")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rlstack.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m rlstack.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ckpt", required=True, help="checkpoint directory (step_N) or checkpoints folder")
     parser.add_argument("--out", required=True, help="HF directory to write the actor to")
     parser.add_argument("--critic", action="store_true", help="also export the critic (PPO runs)")
@@ -40,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def export_checkpoint(ckpt: str, out: str, critic_out: Optional[str] = None, tp: int = 1, pp: int = 1,
-                      groups=None) -> dict:
+def export_checkpoint(
+    ckpt: str, out: str, critic_out: Optional[str] = None, tp: int = 1, pp: int = 1, groups=None
+) -> dict:
     """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
     from megatron_bridge.parallel import init_distributed
     from rlstack.checkpoint import resolve_path
@@ -93,8 +95,14 @@ def _build_empty(args, groups, value_head: bool):
 
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp)
-    return build_gpt(args, config, pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
-                     padded_vocab=args.padded_vocab_size(tp), value_head=value_head)
+    return build_gpt(
+        args,
+        config,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        padded_vocab=args.padded_vocab_size(tp),
+        value_head=value_head,
+    )
 
 
 def _value_head_on_rank0(model, args, groups):
@@ -117,8 +125,14 @@ def _write_token_classification_config(out: str) -> None:
     with open(config_path) as f:
         config = json.load(f)
     arch = config["architectures"][0].replace("ForCausalLM", "ForTokenClassification")
-    config.update(architectures=[arch], num_labels=1, id2label={"0": "VALUE"}, label2id={"VALUE": 0},
-                  token_classification_bias=False, tie_word_embeddings=False)
+    config.update(
+        architectures=[arch],
+        num_labels=1,
+        id2label={"0": "VALUE"},
+        label2id={"VALUE": 0},
+        token_classification_bias=False,
+        tie_word_embeddings=False,
+    )
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
 

@@ -200,11 +200,16 @@ VERL_DEFAULTS: dict[str, Any] = {
     "trainer.nnodes": 1,
 }
 
-ESTIMATORS = {"gae": "gae", "grpo": "grpo", "grpo_vectorized": "grpo", "rloo": "rloo",
-              "rloo_vectorized": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline"}
-TRACKERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow",
-            "file": "jsonl"}
+ESTIMATORS = {
+    "gae": "gae",
+    "grpo": "grpo",
+    "grpo_vectorized": "grpo",
+    "rloo": "rloo",
+    "rloo_vectorized": "rloo",
+    "reinforce_plus_plus": "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+}
+TRACKERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "file": "jsonl"}
 ENGINES = {"vllm": "vllm", "hf": "hf"}
 SCHEDULES = {"constant": "constant", "cosine": "cosine"}
 
@@ -236,7 +241,7 @@ def parse_command_line(tokens: list[str]) -> dict[str, Any]:
     read as `key`.
     """
     if "verl.trainer.main_ppo" in tokens:
-        tokens = tokens[tokens.index("verl.trainer.main_ppo") + 1:]
+        tokens = tokens[tokens.index("verl.trainer.main_ppo") + 1 :]
     out: dict[str, Any] = {}
     for token in tokens:
         if token in ("|", "\\") or token.startswith((">", "2>", "1>", "&")):
@@ -307,13 +312,20 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
     # --- algorithm and critic
     estimator = merged["algorithm.adv_estimator"]
     if estimator == "grpo" and merged.get("algorithm.norm_adv_by_std_in_grpo") is False:
-        t.set("algorithm.adv_estimator", "drgrpo", src("algorithm.adv_estimator") +
-              " with norm_adv_by_std_in_grpo=False (Dr.GRPO)")
+        t.set(
+            "algorithm.adv_estimator",
+            "drgrpo",
+            src("algorithm.adv_estimator") + " with norm_adv_by_std_in_grpo=False (Dr.GRPO)",
+        )
     elif estimator in ESTIMATORS:
         t.set("algorithm.adv_estimator", ESTIMATORS[estimator], src("algorithm.adv_estimator"))
     else:
-        t.unsupported.append((f"algorithm.adv_estimator={estimator}", "estimator not in rlstack: "
-                              f"use one of {', '.join(sorted(set(ESTIMATORS.values())))}"))
+        t.unsupported.append(
+            (
+                f"algorithm.adv_estimator={estimator}",
+                f"estimator not in rlstack: use one of {', '.join(sorted(set(ESTIMATORS.values())))}",
+            )
+        )
     handled |= {"algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"}
     critic_path = given.get("critic.model.path")
     if critic_path is not None or estimator == "gae":
@@ -334,8 +346,7 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
     handled.add(ACTOR + "clip_ratio")
     _shared(merged, given, t, src, ACTOR + "ppo_epochs", "critic.ppo_epochs", "algorithm.ppo_epochs")
     _shared(merged, given, t, src, ACTOR + "grad_clip", "critic.grad_clip", "algorithm.clip_grad")
-    _shared(merged, given, t, src, ACTOR + "optim.weight_decay", "critic.optim.weight_decay",
-            "algorithm.weight_decay")
+    _shared(merged, given, t, src, ACTOR + "optim.weight_decay", "critic.optim.weight_decay", "algorithm.weight_decay")
     _shared(merged, given, t, src, ACTOR + "loss_agg_mode", "critic.loss_agg_mode", "algorithm.loss_agg_mode")
     handled |= {"critic.ppo_epochs", "critic.grad_clip", "critic.optim.weight_decay", "critic.loss_agg_mode"}
     # --- schedules
@@ -348,8 +359,11 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
                 t.unsupported.append((f"{key}={value}", "rlstack schedules: constant | cosine"))
             handled.add(key)
     if "critic.optim.lr_warmup_steps_ratio" in given and ACTOR + "optim.lr_warmup_steps_ratio" not in given:
-        t.set("algorithm.lr_warmup_ratio", given["critic.optim.lr_warmup_steps_ratio"],
-              src("critic.optim.lr_warmup_steps_ratio"))
+        t.set(
+            "algorithm.lr_warmup_ratio",
+            given["critic.optim.lr_warmup_steps_ratio"],
+            src("critic.optim.lr_warmup_steps_ratio"),
+        )
     handled.add("critic.optim.lr_warmup_steps_ratio")
     for key in (ACTOR + "optim.lr_warmup_steps", "critic.optim.lr_warmup_steps"):
         if key in t.sources and merged[key] is not None and int(merged[key]) < 0:
@@ -357,16 +371,23 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
             t.set(target, 0, src(key) + " (-1: use the warm-up ratio)")
     # --- batch sizes
     _batch_sizes(merged, given, t, src, n)
-    handled |= {ACTOR + "ppo_mini_batch_size", ACTOR + "ppo_micro_batch_size_per_gpu",
-                ACTOR + "ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
-                "critic.ppo_mini_batch_size", ROLLOUT + "log_prob_micro_batch_size_per_gpu",
-                REF + "log_prob_micro_batch_size_per_gpu"}
+    handled |= {
+        ACTOR + "ppo_mini_batch_size",
+        ACTOR + "ppo_micro_batch_size_per_gpu",
+        ACTOR + "ppo_micro_batch_size",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_mini_batch_size",
+        ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+        REF + "log_prob_micro_batch_size_per_gpu",
+    }
     for key in (MODEL + "path", "critic.model.path"):
         path = given.get(key)
         if isinstance(path, str) and not os.path.isdir(os.path.expanduser(os.path.expandvars(path))):
             target = "model.path" if key.startswith(MODEL) else "model.critic_path"
             if target in t.sources:
-                t.sources[target] += " -- not a local directory here: rlstack downloads nothing, point it at an HF directory"
+                t.sources[target] += (
+                    " -- not a local directory here: rlstack downloads nothing, point it at an HF directory"
+                )
     # --- rollout engine
     engine = given.get(ROLLOUT + "name")
     if engine is not None:
@@ -387,18 +408,31 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
         if manager == "batch":
             t.set("data.reward_fn_batched", True, src(key))
         elif manager != "naive":
-            t.unsupported.append((f"{key}={manager}", "rlstack calls the function per sample (naive) or "
-                                  "batched (batch)"))
+            t.unsupported.append(
+                (f"{key}={manager}", "rlstack calls the function per sample (naive) or batched (batch)")
+            )
         handled |= {"reward.reward_manager.name", "reward_model.reward_manager"}
     if given.get("reward_model.enable") or given.get("reward.reward_model.enable"):
-        t.unsupported.append(("reward_model.enable=True", "model-based rewards are not supported: use a "
-                              "rule or a custom reward function"))
+        t.unsupported.append(
+            (
+                "reward_model.enable=True",
+                "model-based rewards are not supported: use a rule or a custom reward function",
+            )
+        )
     handled |= {"reward_model.enable", "reward.reward_model.enable"}
     # --- trainer
     _trainer(merged, given, t, src)
-    handled |= {"trainer.logger", "trainer.total_epochs", "trainer.total_training_steps", "trainer.test_freq",
-                "trainer.save_freq", "trainer.resume_mode", "trainer.resume_from_path",
-                "trainer.n_gpus_per_node", "trainer.nnodes"}
+    handled |= {
+        "trainer.logger",
+        "trainer.total_epochs",
+        "trainer.total_training_steps",
+        "trainer.test_freq",
+        "trainer.save_freq",
+        "trainer.resume_mode",
+        "trainer.resume_from_path",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    }
     return handled
 
 
@@ -407,8 +441,12 @@ def _shared(merged, given, t, src, actor_key, critic_key, target) -> None:
     if critic_key in given and actor_key not in given:
         t.set(target, given[critic_key], src(critic_key))
     elif critic_key in given and given[critic_key] != merged.get(actor_key):
-        t.unsupported.append((f"{critic_key}={_flow(given[critic_key])}",
-                              f"rlstack uses one {target} for actor and critic: took the actor's"))
+        t.unsupported.append(
+            (
+                f"{critic_key}={_flow(given[critic_key])}",
+                f"rlstack uses one {target} for actor and critic: took the actor's",
+            )
+        )
 
 
 def _batch_sizes(merged, given, t, src, n: int) -> None:
@@ -416,15 +454,19 @@ def _batch_sizes(merged, given, t, src, n: int) -> None:
     mini_key = ACTOR + "ppo_mini_batch_size"
     mini = int(merged[mini_key])
     if mini >= prompts:
-        t.set("algorithm.mini_batch_size", 0, src(mini_key) + " prompts >= the train batch: one optimizer "
-              "step per batch")
+        t.set(
+            "algorithm.mini_batch_size", 0, src(mini_key) + " prompts >= the train batch: one optimizer step per batch"
+        )
     else:
-        t.set("algorithm.mini_batch_size", mini * n, src(mini_key) + f" prompts x rollout.n={n} = "
-              f"{mini * n} sequences")
+        t.set("algorithm.mini_batch_size", mini * n, src(mini_key) + f" prompts x rollout.n={n} = {mini * n} sequences")
     critic_mini = given.get("critic.ppo_mini_batch_size")
     if critic_mini is not None and int(critic_mini) != mini:
-        t.unsupported.append((f"critic.ppo_mini_batch_size={critic_mini}", "rlstack uses one mini-batch "
-                              "size for actor and critic: took the actor's"))
+        t.unsupported.append(
+            (
+                f"critic.ppo_mini_batch_size={critic_mini}",
+                "rlstack uses one mini-batch size for actor and critic: took the actor's",
+            )
+        )
     micro_key = ACTOR + "ppo_micro_batch_size_per_gpu"
     micro = given.get(micro_key)
     if micro is not None:
@@ -432,17 +474,29 @@ def _batch_sizes(merged, given, t, src, n: int) -> None:
     elif given.get(ACTOR + "ppo_micro_batch_size") is not None:
         total = int(given[ACTOR + "ppo_micro_batch_size"])
         per_rank = max(1, total // t.world_size)
-        t.set("algorithm.micro_batch_size", per_rank, src(ACTOR + "ppo_micro_batch_size") +
-              f" over {t.world_size} GPUs")
-    others = [k for k in ("critic.ppo_micro_batch_size_per_gpu", ROLLOUT + "log_prob_micro_batch_size_per_gpu",
-                          REF + "log_prob_micro_batch_size_per_gpu") if k in given]
+        t.set(
+            "algorithm.micro_batch_size", per_rank, src(ACTOR + "ppo_micro_batch_size") + f" over {t.world_size} GPUs"
+        )
+    others = [
+        k
+        for k in (
+            "critic.ppo_micro_batch_size_per_gpu",
+            ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+            REF + "log_prob_micro_batch_size_per_gpu",
+        )
+        if k in given
+    ]
     if "algorithm.micro_batch_size" not in t.values and others:
         t.set("algorithm.micro_batch_size", int(given[others[0]]), src(others[0]))
     chosen = t.values.get("algorithm.micro_batch_size")
     for key in others:
         if int(given[key]) != chosen:
-            t.ignored.append((f"{key}={given[key]}", f"rlstack uses one micro-batch size "
-                              f"(algorithm.micro_batch_size={chosen}) for every pass"))
+            t.ignored.append(
+                (
+                    f"{key}={given[key]}",
+                    f"rlstack uses one micro-batch size (algorithm.micro_batch_size={chosen}) for every pass",
+                )
+            )
 
 
 def _data(merged, given, t, src) -> None:
@@ -453,8 +507,12 @@ def _data(merged, given, t, src) -> None:
         if "data.truncation" in given:
             t.set("data.truncation", "error", src("data.truncation"))
     else:
-        t.unsupported.append((f"data.truncation={truncation}", "rlstack never cuts a prompt: it stops "
-                              "(error) or drops it (data.filter_overlong_prompts=True)"))
+        t.unsupported.append(
+            (
+                f"data.truncation={truncation}",
+                "rlstack never cuts a prompt: it stops (error) or drops it (data.filter_overlong_prompts=True)",
+            )
+        )
 
 
 def _trainer(merged, given, t, src) -> None:
@@ -476,13 +534,24 @@ def _trainer(merged, given, t, src) -> None:
         rows = _count_rows(merged.get("data.train_files"))
         batch = int(merged["data.train_batch_size"])
         if rows is None:
-            t.unsupported.append((f"trainer.total_epochs={epochs}", "the train files cannot be read here to "
-                                  "count rows: set trainer.total_steps = epochs x rows // data.train_batch_size"))
+            t.unsupported.append(
+                (
+                    f"trainer.total_epochs={epochs}",
+                    "the train files cannot be read here to "
+                    "count rows: set trainer.total_steps = epochs x rows // data.train_batch_size",
+                )
+            )
         else:
             steps = max(1, epochs * (rows // batch))
-            t.set("trainer.total_steps", steps, src("trainer.total_epochs") +
-                  f" x ({rows} rows // {batch} prompts), as verl's drop-last loader")
-    for verl_key, target in (("trainer.test_freq", "trainer.val_every"), ("trainer.save_freq", "checkpoint.save_every")):
+            t.set(
+                "trainer.total_steps",
+                steps,
+                src("trainer.total_epochs") + f" x ({rows} rows // {batch} prompts), as verl's drop-last loader",
+            )
+    for verl_key, target in (
+        ("trainer.test_freq", "trainer.val_every"),
+        ("trainer.save_freq", "checkpoint.save_every"),
+    ):
         if verl_key in given:
             value = int(given[verl_key])
             t.set(target, max(value, 0), src(verl_key) + (" (-1: never)" if value < 0 else ""))
@@ -493,15 +562,22 @@ def _trainer(merged, given, t, src) -> None:
         elif mode == "disable":
             t.set("checkpoint.resume", "never", src("trainer.resume_mode"))
         elif mode == "resume_path" and given.get("trainer.resume_from_path"):
-            t.set("checkpoint.resume", given["trainer.resume_from_path"], src("trainer.resume_from_path") +
-                  " (an rlstack checkpoint directory: verl's checkpoints do not load)")
+            t.set(
+                "checkpoint.resume",
+                given["trainer.resume_from_path"],
+                src("trainer.resume_from_path") + " (an rlstack checkpoint directory: verl's checkpoints do not load)",
+            )
         else:
-            t.unsupported.append((f"trainer.resume_mode={mode}", "use auto, disable or resume_path with "
-                                  "trainer.resume_from_path"))
+            t.unsupported.append(
+                (f"trainer.resume_mode={mode}", "use auto, disable or resume_path with trainer.resume_from_path")
+            )
     project, name = given.get("trainer.project_name"), given.get("trainer.experiment_name")
     if project or name:
-        t.set("trainer.output_dir", os.path.join("outputs", str(project or "rlstack"), str(name or "run")),
-              "outputs/<trainer.project_name>/<trainer.experiment_name>")
+        t.set(
+            "trainer.output_dir",
+            os.path.join("outputs", str(project or "rlstack"), str(name or "run")),
+            "outputs/<trainer.project_name>/<trainer.experiment_name>",
+        )
 
 
 def _count_rows(files: Any) -> Optional[int]:
@@ -560,11 +636,13 @@ def to_yaml_text(t: Translation, command: str = "") -> str:
     from rlstack.config import ExperimentConfig, all_config_keys
 
     order = all_config_keys(ExperimentConfig)
-    lines = ["# Translated from a verl main_ppo command line by python -m rlstack.from_verl.",
-             f"# Launch on {t.world_size} GPU(s): torchrun --nnodes={t.nnodes} "
-             f"--nproc_per_node={t.world_size // max(t.nnodes, 1)} -m rlstack.train --config THIS_FILE",
-             f"# Check anywhere first: python -m rlstack.train --config THIS_FILE --validate-only "
-             f"--world-size {t.world_size}"]
+    lines = [
+        "# Translated from a verl main_ppo command line by python -m rlstack.from_verl.",
+        f"# Launch on {t.world_size} GPU(s): torchrun --nnodes={t.nnodes} "
+        f"--nproc_per_node={t.world_size // max(t.nnodes, 1)} -m rlstack.train --config THIS_FILE",
+        f"# Check anywhere first: python -m rlstack.train --config THIS_FILE --validate-only "
+        f"--world-size {t.world_size}",
+    ]
     if command:
         lines.append(f"# verl: {command}")
     section = None
@@ -585,7 +663,7 @@ def to_yaml_text(t: Translation, command: str = "") -> str:
 
 def _flow(value: Any) -> str:
     """A value as one line of YAML flow style."""
-    return yaml.safe_dump([value], default_flow_style=True, width=10 ** 9).strip()[1:-1]
+    return yaml.safe_dump([value], default_flow_style=True, width=10**9).strip()[1:-1]
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -600,16 +678,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens = [tok for tok in args.overrides if tok != "--"]
     verl = parse_command_line(tokens)
     if not verl:
-        print("from_verl: no verl key=value given: pass main_ppo's overrides, e.g. "
-              "data.train_files=train.parquet actor_rollout_ref.model.path=MODEL", file=sys.stderr)
+        print(
+            "from_verl: no verl key=value given: pass main_ppo's overrides, e.g. "
+            "data.train_files=train.parquet actor_rollout_ref.model.path=MODEL",
+            file=sys.stderr,
+        )
         return 2
     t = translate(verl)
     text = to_yaml_text(t, " ".join(f"{k}={_flow(v)}" for k, v in verl.items()))
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-        print(f"wrote {args.out}: {len(t.values)} rlstack keys, {len(t.ignored)} ignored, "
-              f"{len(t.unsupported)} unsupported", file=sys.stderr)
+        print(
+            f"wrote {args.out}: {len(t.values)} rlstack keys, {len(t.ignored)} ignored, "
+            f"{len(t.unsupported)} unsupported",
+            file=sys.stderr,
+        )
     else:
         sys.stdout.write(text)
         sys.stdout.flush()

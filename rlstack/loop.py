@@ -60,9 +60,11 @@ def _stalled_ranks_error(e: BaseException, health, cfg, rank: int):
 
     missing = collectives.missing_ranks(health, timeout_s=20)
     who = f"rank(s) {missing}" if missing else "some rank(s)"
-    return UserError(f"{who} did not answer for {_timeout(cfg):g} minutes (parallel.timeout_minutes): stalled "
-                     f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
-                     f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept")
+    return UserError(
+        f"{who} did not answer for {_timeout(cfg):g} minutes (parallel.timeout_minutes): stalled "
+        f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
+        f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept"
+    )
 
 
 def _seed_all(seed: int) -> None:
@@ -87,14 +89,26 @@ def _start(cfg, groups, config_yaml: str):
             _clear_earlier_run(cfg)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(config_yaml)
-    log.info("layout tp=%d pp=%d dp=%d world=%d backend=%s", groups.dims.tp, groups.dims.pp, groups.dims.dp,
-             groups.dims.world_size, "nccl" if groups.device.type == "cuda" else "gloo")
+    log.info(
+        "layout tp=%d pp=%d dp=%d world=%d backend=%s",
+        groups.dims.tp,
+        groups.dims.pp,
+        groups.dims.dp,
+        groups.dims.world_size,
+        "nccl" if groups.device.type == "cuda" else "gloo",
+    )
     trainer = build_trainer(cfg, groups)
     from rlstack.config import to_dict
 
-    trackers = build_trackers(cfg.logging.trackers, out, groups.rank, config_dict=to_dict(cfg),
-                              project=cfg.logging.project, run_name=cfg.logging.run_name,
-                              resume=cfg.checkpoint.resume != "never")  # W&B/MLflow continue the same run
+    trackers = build_trackers(
+        cfg.logging.trackers,
+        out,
+        groups.rank,
+        config_dict=to_dict(cfg),
+        project=cfg.logging.project,
+        run_name=cfg.logging.run_name,
+        resume=cfg.checkpoint.resume != "never",
+    )  # W&B/MLflow continue the same run
     return trainer, trackers
 
 
@@ -126,8 +140,11 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
         val_last = trainer.validate()
         log.info("validation after training: %s", _fmt(val_last))
         if val_first:
-            log.info("val/accuracy before=%.3f after=%.3f", val_first.get("val/accuracy", float("nan")),
-                     val_last.get("val/accuracy", float("nan")))
+            log.info(
+                "val/accuracy before=%.3f after=%.3f",
+                val_first.get("val/accuracy", float("nan")),
+                val_last.get("val/accuracy", float("nan")),
+            )
         trackers.log(dict(val_last), step=trainer.step)
     if dry_run:
         after = _checksum(trainer)
@@ -173,10 +190,12 @@ def _checksum(trainer) -> str:
 
 
 def _profile_line(m: dict) -> str:
-    return ("profile: rollout {:.1f} tok/s | actor {:.1f} tok/s | critic {} tok/s | step {:.2f} s".format(
-        m.get("throughput/rollout_tok_s", 0.0), m.get("throughput/actor_tok_s", 0.0),
+    return "profile: rollout {:.1f} tok/s | actor {:.1f} tok/s | critic {} tok/s | step {:.2f} s".format(
+        m.get("throughput/rollout_tok_s", 0.0),
+        m.get("throughput/actor_tok_s", 0.0),
         f"{m['throughput/critic_tok_s']:.1f}" if "throughput/critic_tok_s" in m else "-",
-        m.get("timing/step_s", 0.0)))
+        m.get("timing/step_s", 0.0),
+    )
 
 
 def _fmt(metrics: dict) -> str:

@@ -29,6 +29,8 @@ def check_layout(cfg, world_size: int) -> ParallelDims:
     if args is not None:
         dims.check_model(args)
     if cfg.data.train_batch_size % dims.dp:
-        raise UserError(f"data.train_batch_size={cfg.data.train_batch_size} does not divide over {dims.dp} "
-                        f"data-parallel ranks: make it a multiple of {dims.dp}")
+        raise UserError(
+            f"data.train_batch_size={cfg.data.train_batch_size} does not divide over {dims.dp} "
+            f"data-parallel ranks: make it a multiple of {dims.dp}"
+        )
     return dims

@@ -24,16 +24,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="python -m rlstack.plan", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="python -m rlstack.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (or CPU rank) in GiB")
     parser.add_argument("--model-config", default=None, help="the model's config.json, when model.path is absent here")
     parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"), help="plan GPU memory or CPU host memory")
-    parser.add_argument("--unfused-attention", action="store_true",
-                        help="GPU without Transformer Engine: megatron's local spec materialises attention scores")
+    parser.add_argument(
+        "--unfused-attention",
+        action="store_true",
+        help="GPU without Transformer Engine: megatron's local spec materialises attention scores",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_args(argv)
 
@@ -64,9 +68,15 @@ def _plan(args):
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise UserError(str(e))
-    return plan_for_config(cfg, args.world_size, args.gpu_memory_gib, device=args.device,
-                           model_config_file=args.model_config, config_path=args.config,
-                           fused_attention=False if args.unfused_attention else None)
+    return plan_for_config(
+        cfg,
+        args.world_size,
+        args.gpu_memory_gib,
+        device=args.device,
+        model_config_file=args.model_config,
+        config_path=args.config,
+        fused_attention=False if args.unfused_attention else None,
+    )
 
 
 if __name__ == "__main__":

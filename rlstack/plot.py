@@ -104,12 +104,14 @@ def draw(chart: Chart, rows: list[dict], keys: list[str], path: str) -> None:
 
 
 def _std_band(ax, rows: list[dict]) -> None:
-    both = [(r["step"], float(r["reward/mean"]), float(r["reward/std"])) for r in rows
-            if isinstance(r.get("reward/mean"), (int, float)) and isinstance(r.get("reward/std"), (int, float))]
+    both = [
+        (r["step"], float(r["reward/mean"]), float(r["reward/std"]))
+        for r in rows
+        if isinstance(r.get("reward/mean"), (int, float)) and isinstance(r.get("reward/std"), (int, float))
+    ]
     if both:
         steps, means, stds = zip(*both)
-        ax.fill_between(steps, [m - s for m, s in zip(means, stds)],
-                        [m + s for m, s in zip(means, stds)], alpha=0.2)
+        ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
 
 
 def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list[str]:
@@ -125,8 +127,10 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list[str]:
             draw(chart, rows, keys, path)
             written.append(path)
     if not written:
-        raise UserError(f"{os.path.join(run_dir, METRICS_FILE)} holds no plottable metrics "
-                         f"(reward/mean, actor/kl, actor/loss, val/accuracy, throughput/*, timing/*)")
+        raise UserError(
+            f"{os.path.join(run_dir, METRICS_FILE)} holds no plottable metrics "
+            f"(reward/mean, actor/kl, actor/loss, val/accuracy, throughput/*, timing/*)"
+        )
     return written
 
 

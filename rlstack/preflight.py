@@ -55,20 +55,26 @@ def check_model_dir(path, key: str) -> None:
         return
     if not os.path.exists(path):
         if _looks_like_hub_id(path):
-            raise UserError(f"{key}={path} is not a local directory, and rlstack never downloads models: on a "
-                            f"machine with network run `huggingface-cli download {path} --local-dir DIR`, copy "
-                            f"DIR here and set {key}=DIR")
+            raise UserError(
+                f"{key}={path} is not a local directory, and rlstack never downloads models: on a "
+                f"machine with network run `huggingface-cli download {path} --local-dir DIR`, copy "
+                f"DIR here and set {key}=DIR"
+            )
         raise UserError(f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny`")
     if not os.path.isdir(path):
         raise UserError(f"{key}={path} is a file: pass the HF checkpoint directory that holds config.json")
     read_hf_config(path)
     names = set(os.listdir(path))
     if not names.intersection(TOKENIZER_FILES):
-        raise UserError(f"{key}={path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
-                        "tokenizer into it with tokenizer.save_pretrained(DIR)")
+        raise UserError(
+            f"{key}={path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
+            "tokenizer into it with tokenizer.save_pretrained(DIR)"
+        )
     if not names.intersection(WEIGHT_FILES):
-        raise UserError(f"{key}={path} has no {WEIGHT_FILES[0]} (or its index): save the model with "
-                        "save_pretrained(DIR, safe_serialization=True)")
+        raise UserError(
+            f"{key}={path} has no {WEIGHT_FILES[0]} (or its index): save the model with "
+            "save_pretrained(DIR, safe_serialization=True)"
+        )
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -92,7 +98,9 @@ def check_data(cfg) -> list:
             for index, item in enumerate(rows[:FIRST_ROWS]):
                 sources.add(validate_row(item, f"data file {path} row {index}", d.prompt_key)["data_source"])
     if not d.train_files and d.synthetic:
-        sources.update(row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand))
+        sources.update(
+            row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand)
+        )
     return sorted(sources)
 
 
@@ -129,11 +137,16 @@ def check_output_dir(cfg):
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         earlier.append(metrics)
     if earlier and not cfg.trainer.overwrite:
-        how = ("resume it with checkpoint.resume=auto" if cfg.checkpoint.resume == "never" and len(earlier) > 1
-               else "choose another trainer.output_dir")
-        raise UserError(f"trainer.output_dir={out} holds an earlier run ({earlier[0]}"
-                        f"{f' and {len(earlier) - 1} more' if len(earlier) > 1 else ''}): {how}, or set "
-                        "trainer.overwrite=true to delete its checkpoints and metrics and start afresh")
+        how = (
+            "resume it with checkpoint.resume=auto"
+            if cfg.checkpoint.resume == "never" and len(earlier) > 1
+            else "choose another trainer.output_dir"
+        )
+        raise UserError(
+            f"trainer.output_dir={out} holds an earlier run ({earlier[0]}"
+            f"{f' and {len(earlier) - 1} more' if len(earlier) > 1 else ''}): {how}, or set "
+            "trainer.overwrite=true to delete its checkpoints and metrics and start afresh"
+        )
     return None
 
 
@@ -145,9 +158,11 @@ def _check_steps_left(cfg, resume: str) -> None:
     with open(os.path.join(resume, TRAINER_STATE)) as f:
         step = int(json.load(f)["step"])
     if step >= cfg.trainer.total_steps:
-        raise UserError(f"the run in {cfg.trainer.output_dir} already reached step {step} ({resume}), and "
-                        f"trainer.total_steps={cfg.trainer.total_steps}: raise trainer.total_steps to train on, "
-                        "or choose another trainer.output_dir")
+        raise UserError(
+            f"the run in {cfg.trainer.output_dir} already reached step {step} ({resume}), and "
+            f"trainer.total_steps={cfg.trainer.total_steps}: raise trainer.total_steps to train on, "
+            "or choose another trainer.output_dir"
+        )
 
 
 def _check_writable(path: str, key: str) -> None:
@@ -159,7 +174,8 @@ def _check_writable(path: str, key: str) -> None:
             break
         probe = parent
     if not os.path.isdir(probe):
-        raise UserError(f"{key}={path}: {probe} is a file, so the directory cannot be created there: "
-                        f"choose another {key}")
+        raise UserError(
+            f"{key}={path}: {probe} is a file, so the directory cannot be created there: choose another {key}"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}={path}: {probe} is not writable: choose another {key} or fix its permissions")

@@ -32,8 +32,15 @@ def load_tokenizer(hf_dir: str):
 def sampling_params(cfg: RolloutConfig, step: int, greedy: bool):
     from rlstack.rollout.base import SamplingParams
 
-    return SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=cfg.max_new_tokens, greedy=greedy, seed=cfg.seed + SEED_STRIDE * step)
+    return SamplingParams(
+        n=1 if greedy else cfg.n,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        greedy=greedy,
+        seed=cfg.seed + SEED_STRIDE * step,
+    )
 
 
 def replica_share(num_prompts: int, cfg: RolloutConfig, groups: ParallelGroups) -> list[int]:
@@ -42,8 +49,15 @@ def replica_share(num_prompts: int, cfg: RolloutConfig, groups: ParallelGroups) 
     return split_for_rank(list(range(num_prompts)), replica, replicas)
 
 
-def generate(engine: RolloutEngine, prompts: list, cfg: RolloutConfig, groups: ParallelGroups, step: int,
-             greedy: bool, show_progress: bool = False) -> tuple[list[Generation], float]:
+def generate(
+    engine: RolloutEngine,
+    prompts: list,
+    cfg: RolloutConfig,
+    groups: ParallelGroups,
+    step: int,
+    greedy: bool,
+    show_progress: bool = False,
+) -> tuple[list[Generation], float]:
     """Generate for `prompts` (the same list on every rank), the work split over all ranks.
 
     Each rollout replica (one engine, spanning rollout.tp ranks for vLLM TP) takes a contiguous share,
@@ -53,8 +67,13 @@ def generate(engine: RolloutEngine, prompts: list, cfg: RolloutConfig, groups: P
     mine = replica_share(len(prompts), cfg, groups)
     params = sampling_params(cfg, step, greedy)
     gens = []
-    for chunk in progress(_chunks(mine, params.n, cfg), desc="validate" if greedy else "rollout",
-                          enabled=show_progress, rank=groups.rank, unit="batch"):
+    for chunk in progress(
+        _chunks(mine, params.n, cfg),
+        desc="validate" if greedy else "rollout",
+        enabled=show_progress,
+        rank=groups.rank,
+        unit="batch",
+    ):
         local = engine.generate([prompts[i].input_ids for i in chunk], params)
         gens += [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
     if groups.rank % cfg.tp:
@@ -68,31 +87,54 @@ def _chunks(items: list, n: int, cfg: RolloutConfig) -> list[list]:
     if not items:
         return []
     size = len(items) if cfg.engine == "vllm" else max(1, cfg.micro_batch_size // n)
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def dp_share(prompts: list, gens: list[Generation], groups: ParallelGroups) -> tuple[list, list[Generation]]:
     """This data-parallel rank's contiguous share of the prompts, and their generations (re-indexed)."""
     share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)
     first, mine = (share[0] if share else 0), set(share)
-    return ([prompts[i] for i in share],
-            [dataclasses.replace(g, prompt_index=g.prompt_index - first) for g in gens if g.prompt_index in mine])
+    return (
+        [prompts[i] for i in share],
+        [dataclasses.replace(g, prompt_index=g.prompt_index - first) for g in gens if g.prompt_index in mine],
+    )
 
 
 def score(scorer, tokenizer, prompts: list, gens: list[Generation]) -> list:
     """Each response's ScoreResult (rule or custom reward) against its prompt's ground truth."""
     from rlstack.rewards import Sample
 
-    samples = [Sample(prompts[g.prompt_index].data_source, tokenizer.decode(g.response_ids, skip_special_tokens=True),
-                      prompts[g.prompt_index].ground_truth, prompts[g.prompt_index].extra_info,
-                      row=prompts[g.prompt_index].index)
-               for g in gens]
+    samples = [
+        Sample(
+            prompts[g.prompt_index].data_source,
+            tokenizer.decode(g.response_ids, skip_special_tokens=True),
+            prompts[g.prompt_index].ground_truth,
+            prompts[g.prompt_index].extra_info,
+            row=prompts[g.prompt_index].index,
+        )
+        for g in gens
+    ]
     return scorer.score_batch(samples)
 
 
-def build_rollout(prompts: list, gens: list[Generation], scores: list[float], pad_id: int, micro_batch_size: int,
-                  device, on_policy: bool) -> Rollout:
+def build_rollout(
+    prompts: list,
+    gens: list[Generation],
+    scores: list[float],
+    pad_id: int,
+    micro_batch_size: int,
+    device,
+    on_policy: bool,
+) -> Rollout:
     """The padded training batch of this rank's generations."""
-    return Rollout.build([prompts[g.prompt_index].input_ids for g in gens], [g.response_ids for g in gens],
-                         [g.logprobs for g in gens], scores, [g.prompt_index for g in gens], pad_id, micro_batch_size,
-                         device, on_policy)
+    return Rollout.build(
+        [prompts[g.prompt_index].input_ids for g in gens],
+        [g.response_ids for g in gens],
+        [g.logprobs for g in gens],
+        scores,
+        [g.prompt_index for g in gens],
+        pad_id,
+        micro_batch_size,
+        device,
+        on_policy,
+    )

@@ -1,7 +1,7 @@
 """Entry point: parse -> init distributed -> build -> loop -> teardown.
 
-    torchrun --nproc_per_node=2 -m rlstack.train --config yaml_configs/tiny_cpu.yaml key=value ...
-    python -m rlstack.train --config FILE --validate-only     # any machine, nothing started
+torchrun --nproc_per_node=2 -m rlstack.train --config yaml_configs/tiny_cpu.yaml key=value ...
+python -m rlstack.train --config FILE --validate-only     # any machine, nothing started
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rlstack.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m rlstack.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--dry-run", action="store_true", help="full flow, no parameter changed")
@@ -42,8 +43,10 @@ def _run(args, rank: int) -> int:
     if args.validate_only:
         dims = found.dims
         resume = f", resumes from {found.resume_from}" if found.resume_from else ""
-        print(f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
-              f"data sources {', '.join(found.data_sources) or '-'}{resume})")
+        print(
+            f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
+            f"data sources {', '.join(found.data_sources) or '-'}{resume})"
+        )
         from rlstack.planner import format_plan, plan_for_validate
 
         plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)

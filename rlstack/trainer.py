@@ -68,8 +68,14 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir)
     tokenizer = stages.load_tokenizer(hf_dir)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
-    sampler = PromptSampler(len(train_set), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                            dp_rank=groups.dp_rank, dp_size=groups.dims.dp)
+    sampler = PromptSampler(
+        len(train_set),
+        cfg.data.train_batch_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dims.dp,
+    )
     scorer = RewardScorer.from_config(cfg.data)
     scorer.check_sources(train_set.data_sources())
     if val_set is not None:
@@ -79,8 +85,13 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     weight_sync = WeightSync(actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
-    return Trainer(cfg, groups, TrainerParts(hf_dir, tokenizer, train_set, val_set, sampler, scorer, actor, ref,
-                                             critic, engine, weight_sync, kl_ctrl))
+    return Trainer(
+        cfg,
+        groups,
+        TrainerParts(
+            hf_dir, tokenizer, train_set, val_set, sampler, scorer, actor, ref, critic, engine, weight_sync, kl_ctrl
+        ),
+    )
 
 
 def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
@@ -88,21 +99,43 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
     a = cfg.algorithm
     dtype = DTYPES[cfg.model.dtype]
     total = cfg.trainer.total_steps
-    optim = dict(weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                 adam_beta2=a.adam_beta2, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                 lr_schedule=a.lr_schedule, total_steps=total, min_lr_ratio=a.min_lr_ratio)
-    actor_optim = OptimSettings(lr=a.actor_lr, lr_warmup_steps=warmup_steps(
-        a.actor_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
-    critic_optim = OptimSettings(lr=a.critic_lr, lr_warmup_steps=warmup_steps(
-        a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim)
+    optim = dict(
+        weight_decay=a.weight_decay,
+        clip_grad=a.clip_grad,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        lr_schedule=a.lr_schedule,
+        total_steps=total,
+        min_lr_ratio=a.min_lr_ratio,
+    )
+    actor_optim = OptimSettings(
+        lr=a.actor_lr, lr_warmup_steps=warmup_steps(a.actor_lr_warmup_steps, a.lr_warmup_ratio, total), **optim
+    )
+    critic_optim = OptimSettings(
+        lr=a.critic_lr, lr_warmup_steps=warmup_steps(a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim
+    )
     recompute = cfg.model.gradient_checkpointing
-    actor = Actor(MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute), a,
-                  temperature=cfg.rollout.temperature)
+    actor = Actor(
+        MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute),
+        a,
+        temperature=cfg.rollout.temperature,
+    )
     ref = MegatronRole(hf_dir, groups, dtype) if (a.use_kl_loss or a.use_kl_in_reward) else None
     critic = None
     if a.name == "ppo":
-        critic = Critic(MegatronRole(cfg.model.critic_path or hf_dir, groups, dtype, value_head=True,
-                                     recompute=recompute, optim=critic_optim, value_head_seed=cfg.trainer.seed), a)
+        critic = Critic(
+            MegatronRole(
+                cfg.model.critic_path or hf_dir,
+                groups,
+                dtype,
+                value_head=True,
+                recompute=recompute,
+                optim=critic_optim,
+                value_head_seed=cfg.trainer.seed,
+            ),
+            a,
+        )
     return actor, ref, critic
 
 
@@ -152,8 +185,15 @@ class Trainer:
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
         # rollout.verify_sync: stale engine weights stop the run
-        sync_check.after_sync(cfg.rollout, self.step, sync_stats, self.actor.role, g, self.engine,
-                              sync_check.probe_prompts(self.train_set))
+        sync_check.after_sync(
+            cfg.rollout,
+            self.step,
+            sync_stats,
+            self.actor.role,
+            g,
+            self.engine,
+            sync_check.probe_prompts(self.train_set),
+        )
 
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
@@ -163,8 +203,15 @@ class Trainer:
 
         t0 = time.perf_counter()
         scores = self._rewards(prompts, gens)
-        rollout = stages.build_rollout(prompts, gens, scores, self.tokenizer.pad_token_id,
-                                       cfg.algorithm.micro_batch_size, g.device, on_policy=self._on_policy())
+        rollout = stages.build_rollout(
+            prompts,
+            gens,
+            scores,
+            self.tokenizer.pad_token_id,
+            cfg.algorithm.micro_batch_size,
+            g.device,
+            on_policy=self._on_policy(),
+        )
         timings["timing/score_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -183,8 +230,15 @@ class Trainer:
 
     def generate(self, prompts: list, greedy: bool):
         """Every rank's generations for `prompts` (the same list on every rank): `stages.generate`."""
-        return stages.generate(self.engine, prompts, self.cfg.rollout, self.groups, self.step, greedy,
-                               show_progress=self.cfg.logging.progress)
+        return stages.generate(
+            self.engine,
+            prompts,
+            self.cfg.rollout,
+            self.groups,
+            self.step,
+            greedy,
+            show_progress=self.cfg.logging.progress,
+        )
 
     def _update(self, rollout: Rollout, forward_only: bool) -> dict:
         """Log-probs, values, advantages, then the PPO epochs over mini-batches."""
@@ -243,23 +297,33 @@ class Trainer:
 
         step, skip = self.step + 1, self.cfg.trainer.on_nonfinite == "skip"
         modules = [self.actor.role.module] + ([self.critic.role.module] if self.critic is not None else [])
-        bad_weights = collectives.sum_floats([float(count_nonfinite(modules))], self.groups.world, self.groups.device)[0]
+        bad_weights = collectives.sum_floats([float(count_nonfinite(modules))], self.groups.world, self.groups.device)[
+            0
+        ]
         if bad_weights:
-            raise DivergenceError(f"training diverged at step {step}: {int(bad_weights)} weight tensor(s) hold NaN/inf "
-                                  f"after the optimizer step (nothing is saved from this step): lower "
-                                  f"algorithm.actor_lr/critic_lr or algorithm.clip_grad")
+            raise DivergenceError(
+                f"training diverged at step {step}: {int(bad_weights)} weight tensor(s) hold NaN/inf "
+                f"after the optimizer step (nothing is saved from this step): lower "
+                f"algorithm.actor_lr/critic_lr or algorithm.clip_grad"
+            )
         norm = first_nonfinite(metrics, self._FINITE_NORMS)
         loss = first_nonfinite(metrics, self._FINITE_LOSSES)
         if (norm or loss) and skip:
-            log.warning("step %d: %s is %s: the update was skipped, weights unchanged (trainer.on_nonfinite=skip)",
-                        step, norm or loss, metrics[norm or loss])
+            log.warning(
+                "step %d: %s is %s: the update was skipped, weights unchanged (trainer.on_nonfinite=skip)",
+                step,
+                norm or loss,
+                metrics[norm or loss],
+            )
             metrics["trainer/skipped_update"] = 1.0
             return
         if norm or loss:
             key = norm or loss
-            raise DivergenceError(f"training diverged at step {step}: {key} is {metrics[key]} (the optimizer step "
-                                  f"was skipped; nothing is saved from this step): lower algorithm.actor_lr/critic_lr "
-                                  f"or algorithm.clip_grad, or set trainer.on_nonfinite=skip to skip such updates")
+            raise DivergenceError(
+                f"training diverged at step {step}: {key} is {metrics[key]} (the optimizer step "
+                f"was skipped; nothing is saved from this step): lower algorithm.actor_lr/critic_lr "
+                f"or algorithm.clip_grad, or set trainer.on_nonfinite=skip to skip such updates"
+            )
 
     def _on_policy(self) -> bool:
         """One epoch over one mini-batch: the policy that sampled is the one being updated."""
@@ -297,8 +361,9 @@ class Trainer:
         token_rewards = place_at_last_token(rollout.scores[:n], mask)  # [n, S]
         metrics = {}
         if a.use_kl_in_reward:
-            token_rewards, kl_mean = apply_kl_penalty(token_rewards, rollout.old_logprob[:n],
-                                                      rollout.ref_logprob[:n], mask, self.kl_ctrl.value, a.kl_penalty)
+            token_rewards, kl_mean = apply_kl_penalty(
+                token_rewards, rollout.old_logprob[:n], rollout.ref_logprob[:n], mask, self.kl_ctrl.value, a.kl_penalty
+            )
             kl_mean = collectives.sum_floats([float(kl_mean)], g.dp, g.device)[0] / g.dims.dp
             self.kl_ctrl.update(kl_mean, n_steps=self.cfg.data.train_batch_size)
             metrics.update({"actor/reward_kl": kl_mean, "actor/kl_coef": self.kl_ctrl.value})
@@ -306,8 +371,15 @@ class Trainer:
         inputs = dict(token_rewards=token_rewards)
         if estimator == "gae":
             inputs["values"] = rollout.old_values[:n]
-        adv, returns = compute_advantages(estimator, mask=mask, group_ids=rollout.group_ids[:n], gamma=a.gamma,
-                                          lam=a.lam, reduce_fn=collectives.sum_over(g.dp, g.device), **inputs)
+        adv, returns = compute_advantages(
+            estimator,
+            mask=mask,
+            group_ids=rollout.group_ids[:n],
+            gamma=a.gamma,
+            lam=a.lam,
+            reduce_fn=collectives.sum_over(g.dp, g.device),
+            **inputs,
+        )
         rollout.advantages = pad_rows(adv.detach(), rollout.rows)
         rollout.returns = pad_rows(returns.detach(), rollout.rows)
         return metrics
@@ -318,8 +390,10 @@ class Trainer:
         num_micro = mini.rows // self.cfg.algorithm.micro_batch_size
         # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
         scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
-        return ({"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
-                float(num_micro * g.dims.dp))
+        return (
+            {"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
+            float(num_micro * g.dims.dp),
+        )
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups
@@ -327,8 +401,12 @@ class Trainer:
         total, count, length = collectives.sum_floats(local, g.dp, g.device)
         sq = collectives.sum_floats([sum((s - total / count) ** 2 for s in scores)], g.dp, g.device)[0]
         rollout_s = max(timings["timing/rollout_s"], 1e-9)
-        return {"reward/mean": total / count, "reward/std": (sq / count) ** 0.5,
-                "response/length_mean": length / count, "throughput/rollout_tok_s": gen_tokens / rollout_s}
+        return {
+            "reward/mean": total / count,
+            "reward/std": (sq / count) ** 0.5,
+            "response/length_mean": length / count,
+            "throughput/rollout_tok_s": gen_tokens / rollout_s,
+        }
 
     # ------------------------------------------------------------------ validation
 
@@ -340,7 +418,7 @@ class Trainer:
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, size = [], self.cfg.data.val_batch_size  # prompts generated at once (bounds engine memory)
         for start in range(0, len(prompts), size):
-            chunk, _ = self.generate(prompts[start:start + size], greedy=True)
+            chunk, _ = self.generate(prompts[start : start + size], greedy=True)
             gens += [dataclasses.replace(g, prompt_index=g.prompt_index + start) for g in chunk]
         metrics = val_accuracy(self._rewards(prompts, gens), [prompts[x.prompt_index].data_source for x in gens])
         # every rank scored every validation response: no reduction over ranks

@@ -23,11 +23,17 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world_size, port, results, args, env):
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     os.environ.update(env or {})
     import torch
 
@@ -55,8 +61,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dic
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, env), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, env), daemon=False)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     by_rank, errors = {}, []
@@ -65,8 +73,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dic
             try:
                 rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s "
-                                   f"(ranks done: {sorted(by_rank)})")
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s (ranks done: {sorted(by_rank)})")
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

@@ -33,14 +33,14 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
         assert name not in ADVANTAGE_ESTIMATORS, f"advantage estimator {name} registered twice"
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
+
     return wrap
 
 
 # ----------------------------------------------------------------------------- GAE
 
 
-def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-        ) -> tuple[Tensor, Tensor]:
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the masked tokens of each row.
 
     Unmasked positions are skipped: their rewards and values are ignored, so the value after the
@@ -84,8 +84,9 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return returns
 
 
-def reinforce_plus_plus(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0,
-                        reduce_fn: Optional[ReduceFn] = None) -> tuple[Tensor, Tensor]:
+def reinforce_plus_plus(
+    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, reduce_fn: Optional[ReduceFn] = None
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (no critic, no group baseline): (whitened returns-to-go, returns-to-go).
 
     The whitening over the whole batch (all data-parallel ranks through reduce_fn) is the baseline.
@@ -94,8 +95,9 @@ def reinforce_plus_plus(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0,
     return masked_whiten(returns, mask, reduce_fn=reduce_fn), returns
 
 
-def reinforce_plus_plus_baseline(scores: Tensor, group_ids: Tensor, mask: Tensor,
-                                 reduce_fn: Optional[ReduceFn] = None) -> Tensor:
+def reinforce_plus_plus_baseline(
+    scores: Tensor, group_ids: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None
+) -> Tensor:
     """REINFORCE++ with the group mean as baseline: whiten(score - group mean) over the batch.
 
     A prompt with a single sample has baseline 0 (as verl), so rollout.n = 1 works.
@@ -113,8 +115,7 @@ def reinforce_plus_plus_baseline(scores: Tensor, group_ids: Tensor, mask: Tensor
 # ----------------------------------------------------------------------------- group baselines
 
 
-def grpo(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True,
-         eps: float = 1e-6) -> Tensor:
+def grpo(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """(score - group mean) / (group std + eps), broadcast over each response: [B] -> [B, T].
 
     std is unbiased (as torch.std and verl). norm_by_std=False is Dr.GRPO (score - group mean).
@@ -139,12 +140,16 @@ def rloo(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
 def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample (group mean, unbiased group std, group size), each [B]."""
     if group_ids.shape != scores.shape or group_ids.is_floating_point():
-        raise ValueError(f"group_ids must be an integer tensor of shape {tuple(scores.shape)}: "
-                         "one id per sample, shared by the samples of one prompt")
+        raise ValueError(
+            f"group_ids must be an integer tensor of shape {tuple(scores.shape)}: "
+            "one id per sample, shared by the samples of one prompt"
+        )
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     if bool((counts < 2).any()):
-        raise ValueError("a group holds a single sample, which has no baseline: keep all "
-                         "rollout.n >= 2 samples of a prompt together on one rank")
+        raise ValueError(
+            "a group holds a single sample, which has no baseline: keep all "
+            "rollout.n >= 2 samples of a prompt together on one rank"
+        )
     size = counts.to(scores.dtype)  # [G]
     mean = torch.zeros_like(size).index_add_(0, inverse, scores) / size  # [G]
     sq_dev = (scores - mean[inverse]) ** 2  # [B]
@@ -155,8 +160,7 @@ def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tens
 def place_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     """Sequence scores [B] -> token scores [B, T], the score on each row's last masked token."""
     if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
-        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be "
-                         "[B] and [B, T]")
+        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be [B] and [B, T]")
     present = mask > 0  # [B, T]
     if not bool(present.any(-1).all()):
         raise ValueError("a row of the response mask is empty: every response needs a token")
@@ -211,10 +215,18 @@ def _rfpp_baseline_estimator(*, mask, group_ids, reduce_fn, **inputs):
 names.check_registered("advantage estimator", ADVANTAGE_ESTIMATORS, names.ADVANTAGE_ESTIMATORS)
 
 
-def compute_advantages(name: str, *, mask: Tensor, token_rewards: Optional[Tensor] = None,
-                       values: Optional[Tensor] = None, scores: Optional[Tensor] = None,
-                       group_ids: Optional[Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
-                       reduce_fn: Optional[ReduceFn] = None) -> tuple[Tensor, Tensor]:
+def compute_advantages(
+    name: str,
+    *,
+    mask: Tensor,
+    token_rewards: Optional[Tensor] = None,
+    values: Optional[Tensor] = None,
+    scores: Optional[Tensor] = None,
+    group_ids: Optional[Tensor] = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    reduce_fn: Optional[ReduceFn] = None,
+) -> tuple[Tensor, Tensor]:
     """(advantages [B, T], returns [B, T]) of the estimator `name`, ready for the PPO update.
 
     gae reads token_rewards and values (and reduce_fn: a SUM over data-parallel ranks, so the
@@ -223,11 +235,19 @@ def compute_advantages(name: str, *, mask: Tensor, token_rewards: Optional[Tenso
     penalty). Inputs an estimator does not read are ignored.
     """
     if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}: choose one of "
-                         f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[name](token_rewards=token_rewards, values=values, scores=scores,
-                                      group_ids=group_ids, mask=mask, gamma=gamma, lam=lam,
-                                      reduce_fn=reduce_fn)
+        raise ValueError(
+            f"unknown advantage estimator {name!r}: choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
+        )
+    return ADVANTAGE_ESTIMATORS[name](
+        token_rewards=token_rewards,
+        values=values,
+        scores=scores,
+        group_ids=group_ids,
+        mask=mask,
+        gamma=gamma,
+        lam=lam,
+        reduce_fn=reduce_fn,
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -236,8 +256,10 @@ def compute_advantages(name: str, *, mask: Tensor, token_rewards: Optional[Tenso
 def _sequence_scores(name: str, *, token_rewards, scores, mask, group_ids, **_) -> Tensor:
     _require(name, group_ids=group_ids)
     if (scores is None) == (token_rewards is None):
-        raise ValueError(f"{name} advantages need exactly one of scores [B] or token_rewards "
-                         "[B, T]: pass token_rewards when they carry a KL penalty, else scores")
+        raise ValueError(
+            f"{name} advantages need exactly one of scores [B] or token_rewards "
+            "[B, T]: pass token_rewards when they carry a KL penalty, else scores"
+        )
     if scores is not None:
         return scores
     _check_same_shape(token_rewards=token_rewards, mask=mask)
@@ -246,8 +268,9 @@ def _sequence_scores(name: str, *, token_rewards, scores, mask, group_ids, **_) 
 
 def _float_scores(scores: Tensor, mask: Tensor) -> Tensor:
     if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
-        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be "
-                         "[B] and [B, T] with the same B")
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must be [B] and [B, T] with the same B"
+        )
     return scores.to(_float_dtype(scores))
 
 
@@ -262,12 +285,10 @@ def _float_dtype(x: Tensor) -> torch.dtype:
 def _require(name: str, **inputs: Optional[Tensor]) -> None:
     missing = [k for k, v in inputs.items() if v is None]
     if missing:
-        raise ValueError(f"{name} advantages need {', '.join(missing)}: pass them to "
-                         "compute_advantages")
+        raise ValueError(f"{name} advantages need {', '.join(missing)}: pass them to compute_advantages")
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
-        raise ValueError(f"expected equal [B, T] shapes, got {shapes}: pass per-token tensors "
-                         "of one batch")
+        raise ValueError(f"expected equal [B, T] shapes, got {shapes}: pass per-token tensors of one batch")

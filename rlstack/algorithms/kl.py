@@ -27,6 +27,7 @@ def register_kl(name: str) -> Callable[[KLFn], KLFn]:
         assert name not in KL_ESTIMATORS, f"KL estimator {name} registered twice"
         KL_ESTIMATORS[name] = fn
         return fn
+
     return wrap
 
 
@@ -74,6 +75,7 @@ def _straight_through(base: KLFn) -> KLFn:
     def estimate(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
         k2 = _k2(logprob, ref_logprob)
         return k2 - k2.detach() + base(logprob, ref_logprob).detach()
+
     return estimate
 
 
@@ -85,16 +87,18 @@ names.check_registered("KL estimator", KL_ESTIMATORS, names.KL_ESTIMATORS)
 def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
     """Per-token KL(policy || reference) estimate, [B, T] -> [B, T]."""
     if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}: choose one of "
-                         f"{', '.join(sorted(KL_ESTIMATORS))}")
+        raise ValueError(f"unknown KL estimator {kind!r}: choose one of {', '.join(sorted(KL_ESTIMATORS))}")
     if logprob.shape != ref_logprob.shape:
-        raise ValueError(f"logprob {tuple(logprob.shape)} and ref_logprob "
-                         f"{tuple(ref_logprob.shape)} differ: pass log-probs of the same tokens")
+        raise ValueError(
+            f"logprob {tuple(logprob.shape)} and ref_logprob "
+            f"{tuple(ref_logprob.shape)} differ: pass log-probs of the same tokens"
+        )
     return KL_ESTIMATORS[kind](logprob, ref_logprob)
 
 
-def apply_kl_penalty(token_scores: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor,
-                     coef: float, kind: str = "k1") -> tuple[Tensor, Tensor]:
+def apply_kl_penalty(
+    token_scores: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor, coef: float, kind: str = "k1"
+) -> tuple[Tensor, Tensor]:
     """token_rewards = token_scores - coef * KL on masked tokens; also the batch's mean KL.
 
     kl_mean (a 0-dim tensor) is the mean over sequences of each sequence's masked mean KL (as
@@ -127,8 +131,10 @@ class KLController:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != self.kind:
-            raise ValueError(f"checkpoint holds a {state.get('kind')!r} KL controller, this run "
-                             f"uses {self.kind!r}: set algorithm.kl_ctrl={state.get('kind')}")
+            raise ValueError(
+                f"checkpoint holds a {state.get('kind')!r} KL controller, this run "
+                f"uses {self.kind!r}: set algorithm.kl_ctrl={state.get('kind')}"
+            )
         self.value = float(state["value"])
 
 
@@ -153,8 +159,10 @@ class AdaptiveKLController(KLController):
     def __init__(self, init_coef: float, target: float, horizon: int):
         super().__init__(init_coef)
         if target <= 0 or horizon <= 0:
-            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0 (got {target}, "
-                             f"{horizon}): set algorithm.kl_target and algorithm.kl_horizon")
+            raise ValueError(
+                f"adaptive KL needs target > 0 and horizon > 0 (got {target}, "
+                f"{horizon}): set algorithm.kl_target and algorithm.kl_horizon"
+            )
         self.target = float(target)
         self.horizon = int(horizon)
 
@@ -163,8 +171,7 @@ class AdaptiveKLController(KLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def build_kl_controller(kind: str, coef: float, target: float = 0.1, horizon: int = 10000
-                        ) -> KLController:
+def build_kl_controller(kind: str, coef: float, target: float = 0.1, horizon: int = 10000) -> KLController:
     """Controller from the config's algorithm.kl_ctrl / kl_coef / kl_target / kl_horizon."""
     if kind == "fixed":
         return FixedKLController(coef)

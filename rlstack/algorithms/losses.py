@@ -35,6 +35,7 @@ def register_agg(name: str, count: str) -> Callable[[AggFn], AggFn]:
         assert name not in LOSS_AGG_MODES, f"loss aggregation {name} registered twice"
         LOSS_AGG_MODES[name], _AGG_COUNT[name] = fn, count
         return fn
+
     return wrap
 
 
@@ -68,16 +69,24 @@ def _seq_mean_token_sum_norm(xm: Tensor, m: Tensor, num_tokens, num_seqs, scale_
     # Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): token sums divided by one constant (the
     # generation budget), so a long response is not down-weighted per token as token means do.
     if scale_factor is None or scale_factor <= 0:
-        raise ValueError("seq-mean-token-sum-norm divides by a constant length: pass "
-                         "loss_scale_factor (algorithm.loss_scale_factor or rollout.max_new_tokens)")
+        raise ValueError(
+            "seq-mean-token-sum-norm divides by a constant length: pass "
+            "loss_scale_factor (algorithm.loss_scale_factor or rollout.max_new_tokens)"
+        )
     return xm.sum(-1).sum() / num_seqs / scale_factor
 
 
 names.check_registered("loss aggregation", LOSS_AGG_MODES, names.LOSS_AGG_MODES)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_num_tokens: Optional[float] = None,
-             global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None) -> Tensor:
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    global_num_tokens: Optional[float] = None,
+    global_num_seqs: Optional[float] = None,
+    loss_scale_factor: Optional[float] = None,
+) -> Tensor:
     """Scalar loss from a per-token loss [B, T].
 
     token-mean: sum over masked tokens / number of tokens.
@@ -89,8 +98,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_num_tokens: Optio
     Positions off the mask are dropped with torch.where: a NaN or inf there changes nothing.
     """
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {mode!r}: choose one of "
-                         f"{', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {', '.join(LOSS_AGG_MODES)}")
     m = as_float_mask(mask, loss_mat)  # [B, T]
     num_tokens, num_seqs = _counts(mode, m, global_num_tokens, global_num_seqs)
     return LOSS_AGG_MODES[mode](apply_mask(loss_mat, m), m, num_tokens, num_seqs, loss_scale_factor)
@@ -103,8 +111,10 @@ def _counts(mode: str, m: Tensor, global_num_tokens, global_num_seqs):
     given = {"global_num_tokens": global_num_tokens, "global_num_seqs": global_num_seqs}
     if given[needed] is None:
         if any(v is not None for v in given.values()):
-            raise ValueError(f"{mode} divides by {needed}, which is missing: pass the global "
-                             "counts of both kinds (sums of mask_counts over the mini-batch)")
+            raise ValueError(
+                f"{mode} divides by {needed}, which is missing: pass the global "
+                "counts of both kinds (sums of mask_counts over the mini-batch)"
+            )
         # Local mean; an empty micro-batch has a zero numerator, so the clamp just avoids 0/0.
         return m.sum().clamp(min=1e-8), (m.sum(-1) > 0).sum().clamp(min=1)
     if given[needed] <= 0:
@@ -129,15 +139,24 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
         assert name not in POLICY_LOSSES, f"policy loss {name} registered twice"
         POLICY_LOSSES[name] = fn
         return fn
+
     return wrap
 
 
 @register_policy_loss("vanilla")
-def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
-                clip_low: float, clip_high: float, clip_c: Optional[float] = 3.0,
-                agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
-                global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    old_logprob: Tensor,
+    logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: Optional[float] = 3.0,
+    agg_mode: str = "token-mean",
+    global_num_tokens: Optional[float] = None,
+    global_num_seqs: Optional[float] = None,
+    loss_scale_factor: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with separate low/high clip ratios and dual clip (Ye et al. 2020).
 
     ratio = exp(logprob - old_logprob); per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low,
@@ -146,8 +165,9 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
     Stats (detached local masked means): clip_frac, approx_kl (k1 of old vs new), dual_clip_frac.
     """
     if clip_c is not None and clip_c <= 1.0:
-        raise ValueError(f"dual-clip bound clip_c={clip_c} must be > 1: set "
-                         "algorithm.clip_ratio_c above 1 (3.0 is usual)")
+        raise ValueError(
+            f"dual-clip bound clip_c={clip_c} must be > 1: set algorithm.clip_ratio_c above 1 (3.0 is usual)"
+        )
     old_logprob, logprob, advantages = _on_mask(mask, old_logprob, logprob, advantages)
     # Clamped before exp as in verl: a stale old_logprob must not overflow the ratio.
     log_ratio = (logprob - old_logprob).clamp(min=-20.0, max=20.0)  # [B, T]
@@ -155,8 +175,10 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
     loss_unclipped = -advantages * ratio  # [B, T]
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    stats = {"clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
-             "approx_kl": masked_mean(-log_ratio, mask)}
+    stats = {
+        "clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
+        "approx_kl": masked_mean(-log_ratio, mask),
+    }
     loss_mat = loss_ppo
     if clip_c is not None:
         loss_cap = -advantages * clip_c  # [B, T]
@@ -171,11 +193,19 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
 
 
 @register_policy_loss("gspo")
-def gspo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
-                     clip_low: float, clip_high: float, clip_c: Optional[float] = None,
-                     agg_mode: str = "seq-mean-token-mean", global_num_tokens: Optional[float] = None,
-                     global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
-                     ) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_policy_loss(
+    old_logprob: Tensor,
+    logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: Optional[float] = None,
+    agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: Optional[float] = None,
+    global_num_seqs: Optional[float] = None,
+    loss_scale_factor: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): one importance ratio per sequence, clipped.
 
     s_i = exp(mean over the response of (logprob - old_logprob)), the geometric mean of the token
@@ -194,8 +224,11 @@ def gspo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, m
     loss_unclipped = -advantages * ratio  # [B, T]
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    stats = {"clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
-             "approx_kl": masked_mean(-token_log_ratio, mask), "dual_clip_frac": ratio.new_zeros(())}
+    stats = {
+        "clip_frac": masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask),
+        "approx_kl": masked_mean(-token_log_ratio, mask),
+        "dual_clip_frac": ratio.new_zeros(()),
+    }
     loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     return loss, {k: v.detach() for k, v in stats.items()}
 
@@ -213,10 +246,17 @@ def compute_policy_loss(name: str, *args, **kwargs) -> tuple[Tensor, dict[str, T
 # ----------------------------------------------------------------------------- critic
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: Optional[float] = 0.2, agg_mode: str = "token-mean",
-               global_num_tokens: Optional[float] = None, global_num_seqs: Optional[float] = None,
-               loss_scale_factor: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: Optional[float] = 0.2,
+    agg_mode: str = "token-mean",
+    global_num_tokens: Optional[float] = None,
+    global_num_seqs: Optional[float] = None,
+    loss_scale_factor: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """0.5 * max((v - R)^2, (clip(v, v_old - clip, v_old + clip) - R)^2), aggregated.
 
     clip=None turns the value clip off. Stats: clip_frac (share of tokens where v - v_old was
@@ -246,10 +286,16 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 # ----------------------------------------------------------------------------- KL and entropy
 
 
-def kl_loss(logprob: Tensor, ref_logprob: Tensor, mask: Tensor, kind: str = "k3",
-            agg_mode: str = "token-mean", global_num_tokens: Optional[float] = None,
-            global_num_seqs: Optional[float] = None, loss_scale_factor: Optional[float] = None
-            ) -> tuple[Tensor, dict[str, Tensor]]:
+def kl_loss(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    mask: Tensor,
+    kind: str = "k3",
+    agg_mode: str = "token-mean",
+    global_num_tokens: Optional[float] = None,
+    global_num_seqs: Optional[float] = None,
+    loss_scale_factor: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL(policy || reference) as a loss term (GRPO style); stats: kl (detached local mean)."""
     logprob, ref_logprob = _on_mask(mask, logprob, ref_logprob)
     kl = kl_estimate(logprob, ref_logprob, kind)  # [B, T]
@@ -268,6 +314,17 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return log_z - (probs * logits).sum(-1)
 
 
-__all__ = ["LOSS_AGG_MODES", "POLICY_LOSSES", "agg_loss", "compute_policy_loss", "entropy_from_logits",
-           "gspo_policy_loss", "kl_loss", "masked_mean", "policy_loss", "register_agg",
-           "register_policy_loss", "value_loss"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "agg_loss",
+    "compute_policy_loss",
+    "entropy_from_logits",
+    "gspo_policy_loss",
+    "kl_loss",
+    "masked_mean",
+    "policy_loss",
+    "register_agg",
+    "register_policy_loss",
+    "value_loss",
+]

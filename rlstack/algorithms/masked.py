@@ -20,8 +20,10 @@ ReduceFn = Callable[[Tensor], Tensor]
 def as_float_mask(mask: Tensor, like: Tensor) -> Tensor:
     """Mask in `like`'s dtype and device, checked against `like`'s shape."""
     if mask.shape != like.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != tensor shape {tuple(like.shape)}: "
-                         "pass the [B, T] response mask of the same batch")
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} != tensor shape {tuple(like.shape)}: "
+            "pass the [B, T] response mask of the same batch"
+        )
     return mask.to(device=like.device, dtype=like.dtype)
 
 
@@ -57,8 +59,9 @@ def whiten_stats(x: Tensor, mask: Tensor) -> Tensor:
     return torch.stack([xm.sum(), (apply_mask(x, m != 0) * xm).sum(), m.sum()])
 
 
-def masked_whiten(x: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None,
-                  shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(
+    x: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None, shift_mean: bool = True, eps: float = 1e-8
+) -> Tensor:
     """(x - mean) / std over masked entries, 0 outside the mask.
 
     Variance is unbiased (count - 1), as in verl's `masked_whiten`. With `reduce_fn` (a sum over
@@ -70,8 +73,10 @@ def masked_whiten(x: Tensor, mask: Tensor, reduce_fn: Optional[ReduceFn] = None,
         stats = reduce_fn(stats)
     total, total_sq, count = stats.unbind()
     if count.item() < 2:
-        raise ValueError(f"cannot whiten over {count.item():g} masked tokens: the batch needs at "
-                         "least 2 response tokens (check the response mask)")
+        raise ValueError(
+            f"cannot whiten over {count.item():g} masked tokens: the batch needs at "
+            "least 2 response tokens (check the response mask)"
+        )
     mean = total / count
     var = (total_sq / count - mean * mean).clamp(min=0.0) * count / (count - 1)
     out = (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)

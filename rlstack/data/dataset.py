@@ -32,8 +32,15 @@ class Prompt:
 class PromptDataset:
     """Rows -> Prompts. truncation='error' raises on a too-long prompt; 'drop' skips and counts it."""
 
-    def __init__(self, rows: list[dict], tokenizer: Any, max_prompt_length: int,
-                 truncation: str = "error", system_prompt: str = "", prompt_key: str = "prompt"):
+    def __init__(
+        self,
+        rows: list[dict],
+        tokenizer: Any,
+        max_prompt_length: int,
+        truncation: str = "error",
+        system_prompt: str = "",
+        prompt_key: str = "prompt",
+    ):
         if truncation not in TRUNCATION:
             raise UserError(f"truncation {truncation!r} is unknown: set data.truncation to error or drop")
         self.max_prompt_length = max_prompt_length
@@ -45,17 +52,27 @@ class PromptDataset:
             ids = _tokenize(tokenizer, _messages(row[prompt_key], system_prompt), origin)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
-                    raise UserError(f"{origin}: prompt is {len(ids)} tokens after the chat template, over "
-                                     f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length "
-                                     "or set data.truncation=drop")
+                    raise UserError(
+                        f"{origin}: prompt is {len(ids)} tokens after the chat template, over "
+                        f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length "
+                        "or set data.truncation=drop"
+                    )
                 self.num_dropped += 1
                 continue
-            self.prompts.append(Prompt(index=index, input_ids=ids, data_source=row["data_source"],
-                                       ground_truth=str(row["reward_model"]["ground_truth"]),
-                                       extra_info=row["extra_info"]))
+            self.prompts.append(
+                Prompt(
+                    index=index,
+                    input_ids=ids,
+                    data_source=row["data_source"],
+                    ground_truth=str(row["reward_model"]["ground_truth"]),
+                    extra_info=row["extra_info"],
+                )
+            )
         if rows and not self.prompts:
-            raise UserError(f"all {len(rows)} prompts are longer than data.max_prompt_length="
-                             f"{max_prompt_length} tokens: raise data.max_prompt_length")
+            raise UserError(
+                f"all {len(rows)} prompts are longer than data.max_prompt_length="
+                f"{max_prompt_length} tokens: raise data.max_prompt_length"
+            )
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -77,15 +94,18 @@ def _messages(messages: list[dict], system_prompt: str) -> list[dict]:
 
 def _tokenize(tokenizer: Any, messages: list[dict], origin: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"the model's tokenizer has no chat template (needed for {origin}): "
-                         "use an instruct/chat model or add a chat_template to its tokenizer_config.json")
+        raise UserError(
+            f"the model's tokenizer has no chat template (needed for {origin}): "
+            "use an instruct/chat model or add a chat_template to its tokenizer_config.json"
+        )
     try:
         # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     except Exception as e:  # jinja2 errors raised by the template itself (e.g. role order rules)
-        raise UserError(f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "
-                         f"{e}): fix the row's messages to suit this model's template") from e
+        raise UserError(
+            f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "
+            f"{e}): fix the row's messages to suit this model's template"
+        ) from e
     return [int(i) for i in ids]
 
 
@@ -124,11 +144,17 @@ def _synthetic_rows(data_cfg: Any, split: str, n: int) -> list[dict]:
 
 
 def _build(rows: list[dict], tokenizer: Any, data_cfg: Any, name: str) -> PromptDataset:
-    dataset = PromptDataset(rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation,
-                            data_cfg.system_prompt, data_cfg.prompt_key)
+    dataset = PromptDataset(
+        rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation, data_cfg.system_prompt, data_cfg.prompt_key
+    )
     if dataset.num_dropped:
-        logger.warning("%s set: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
-                       name, dataset.num_dropped, len(rows), data_cfg.max_prompt_length)
+        logger.warning(
+            "%s set: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+            name,
+            dataset.num_dropped,
+            len(rows),
+            data_cfg.max_prompt_length,
+        )
     logger.info("%s set: %d prompts (%s)", name, len(dataset), ", ".join(dataset.data_sources()))
     return dataset
 

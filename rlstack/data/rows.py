@@ -67,8 +67,10 @@ def _read_parquet(path: str) -> list[Any]:
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError subclasses for unreadable files
-        raise UserError(f"data file {path} is not a readable parquet file ({_first_line(e)}): "
-                         "rewrite it with rlstack.data.rows.write_parquet or pandas.to_parquet") from e
+        raise UserError(
+            f"data file {path} is not a readable parquet file ({_first_line(e)}): "
+            "rewrite it with rlstack.data.rows.write_parquet or pandas.to_parquet"
+        ) from e
     return table.to_pylist()
 
 
@@ -78,14 +80,17 @@ def _read_json(path: str) -> list[Any]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"data file {path} cannot be read as UTF-8 text ({_first_line(e)}): "
-                         "check the file and its permissions") from e
+        raise UserError(
+            f"data file {path} cannot be read as UTF-8 text ({_first_line(e)}): check the file and its permissions"
+        ) from e
     if path.lower().endswith(".json") and text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"data file {path} is not valid JSON ({e.msg} at line {e.lineno}): "
-                             "fix the file or write one JSON object per line") from e
+            raise UserError(
+                f"data file {path} is not valid JSON ({e.msg} at line {e.lineno}): "
+                "fix the file or write one JSON object per line"
+            ) from e
     rows = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -93,8 +98,10 @@ def _read_json(path: str) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise UserError(f"data file {path} row {len(rows)} (line {line_number}) is not valid JSON "
-                             f"({e.msg}): write one JSON object per line") from e
+            raise UserError(
+                f"data file {path} row {len(rows)} (line {line_number}) is not valid JSON "
+                f"({e.msg}): write one JSON object per line"
+            ) from e
     return rows
 
 
@@ -109,12 +116,16 @@ def _first_line(e: BaseException) -> str:
 def validate_row(item: Any, origin: str, prompt_key: str = "prompt") -> dict:
     """`item` checked against verl's schema; optional fields filled. `origin` prefixes errors."""
     if not isinstance(item, dict):
-        raise UserError(f"{origin}: a row must be a JSON object/record, got {type(item).__name__}: "
-                         "write one verl-schema object per row")
+        raise UserError(
+            f"{origin}: a row must be a JSON object/record, got {type(item).__name__}: "
+            "write one verl-schema object per row"
+        )
     for column in (*REQUIRED_COLUMNS, prompt_key):
         if column not in item:
-            raise UserError(f"{origin}: missing column '{column}': every row needs data_source, "
-                             f"{prompt_key}, reward_model (set data.prompt_key if the prompt column has another name)")
+            raise UserError(
+                f"{origin}: missing column '{column}': every row needs data_source, "
+                f"{prompt_key}, reward_model (set data.prompt_key if the prompt column has another name)"
+            )
     row = dict(item)
     _check_data_source(row["data_source"], origin)
     _check_messages(row[prompt_key], origin, prompt_key)
@@ -125,15 +136,19 @@ def validate_row(item: Any, origin: str, prompt_key: str = "prompt") -> dict:
     if row.get("extra_info") is None:
         row["extra_info"] = {}  # parquet stores an all-empty extra_info column as nulls
     if not isinstance(row["extra_info"], dict):
-        raise UserError(f"{origin}: 'extra_info' must be a mapping, got {type(row['extra_info']).__name__}: "
-                         "store extra fields as an object")
+        raise UserError(
+            f"{origin}: 'extra_info' must be a mapping, got {type(row['extra_info']).__name__}: "
+            "store extra fields as an object"
+        )
     return row
 
 
 def _check_data_source(value: Any, origin: str) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise UserError(f"{origin}: 'data_source' must be a non-empty string, got {value!r}: "
-                         "name the dataset (it selects the reward scorer), e.g. 'openai/gsm8k'")
+        raise UserError(
+            f"{origin}: 'data_source' must be a non-empty string, got {value!r}: "
+            "name the dataset (it selects the reward scorer), e.g. 'openai/gsm8k'"
+        )
 
 
 def _check_messages(messages: Any, origin: str, prompt_key: str) -> None:
@@ -145,24 +160,30 @@ def _check_messages(messages: Any, origin: str, prompt_key: str) -> None:
             raise UserError(f"{origin}: malformed prompt, message {i} is {_short(message)}: {fix}")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise UserError(f"{origin}: malformed prompt, message {i} has role {role!r}: "
-                             f"use one of {', '.join(ROLES)}")
+            raise UserError(f"{origin}: malformed prompt, message {i} has role {role!r}: use one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise UserError(f"{origin}: malformed prompt, message {i} has content {_short(content)}: "
-                             "each message needs a string 'content'")
+            raise UserError(
+                f"{origin}: malformed prompt, message {i} has content {_short(content)}: "
+                "each message needs a string 'content'"
+            )
 
 
 def _check_reward_model(value: Any, origin: str) -> None:
     if not isinstance(value, dict) or "ground_truth" not in value:
-        raise UserError(f"{origin}: 'reward_model' must be a mapping with 'ground_truth' (and 'style'), "
-                         f"got {_short(value)}: add reward_model={{'style': 'rule', 'ground_truth': ...}}")
+        raise UserError(
+            f"{origin}: 'reward_model' must be a mapping with 'ground_truth' (and 'style'), "
+            f"got {_short(value)}: add reward_model={{'style': 'rule', 'ground_truth': ...}}"
+        )
     truth = value["ground_truth"]
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
-        raise UserError(f"{origin}: 'reward_model.ground_truth' must be a string or number, got "
-                         f"{_short(truth)}: store the reference answer as text")
+        raise UserError(
+            f"{origin}: 'reward_model.ground_truth' must be a string or number, got "
+            f"{_short(truth)}: store the reference answer as text"
+        )
     if str(truth).strip() == "":
-        raise UserError(f"{origin}: 'reward_model.ground_truth' is empty: give every row its reference "
-                         "answer, or remove the row")
+        raise UserError(
+            f"{origin}: 'reward_model.ground_truth' is empty: give every row its reference answer, or remove the row"
+        )
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -184,8 +205,10 @@ def write_parquet(rows: list[dict], path: str) -> None:
     try:
         table = pa.Table.from_pylist(plain)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise UserError(f"cannot write rows to {path} as parquet ({_first_line(e)}): give each column "
-                         "one type in every row, or use write_jsonl") from e
+        raise UserError(
+            f"cannot write rows to {path} as parquet ({_first_line(e)}): give each column "
+            "one type in every row, or use write_jsonl"
+        ) from e
     _make_parent(path)
     pq.write_table(table, path)
 

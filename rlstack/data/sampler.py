@@ -16,14 +16,19 @@ from rlstack.errors import UserError
 
 
 class PromptSampler:
-    def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True, dp_rank: int = 0, dp_size: int = 1
+    ):
         if batch_size < 1 or batch_size % dp_size != 0:
-            raise UserError(f"data.train_batch_size={batch_size} must be a positive multiple of the "
-                             f"data-parallel size {dp_size}: set data.train_batch_size to a multiple of {dp_size}")
+            raise UserError(
+                f"data.train_batch_size={batch_size} must be a positive multiple of the "
+                f"data-parallel size {dp_size}: set data.train_batch_size to a multiple of {dp_size}"
+            )
         if num_items < batch_size:
-            raise UserError(f"the dataset has {num_items} prompts, fewer than data.train_batch_size="
-                             f"{batch_size}: lower data.train_batch_size or add prompts")
+            raise UserError(
+                f"the dataset has {num_items} prompts, fewer than data.train_batch_size="
+                f"{batch_size}: lower data.train_batch_size or add prompts"
+            )
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -46,7 +51,7 @@ class PromptSampler:
         if self.position + self.batch_size > self.num_items:
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        batch = self._order[self.position:self.position + self.batch_size]
+        batch = self._order[self.position : self.position + self.batch_size]
         self.position += self.batch_size
         return [int(i) for i in batch]
 
@@ -54,19 +59,26 @@ class PromptSampler:
         """This data-parallel rank's prompt indices of the next step (batch_size / dp_size of them)."""
         per_rank = self.batch_size // self.dp_size
         start = self.dp_rank * per_rank
-        return self.next_global_batch()[start:start + per_rank]
+        return self.next_global_batch()[start : start + per_rank]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_items": self.num_items,
-                "seed": self.seed, "shuffle": self.shuffle}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_items": self.num_items,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; the batch size and DP size may differ, the data and seed may not."""
         for key in ("num_items", "seed", "shuffle"):
             if state[key] != getattr(self, key):
-                raise UserError(f"the checkpoint's data sampler had {key}={state[key]!r}, this run has "
-                                 f"{getattr(self, key)!r}: resume with the same data and data.seed/shuffle, "
-                                 "or start a fresh run (checkpoint.resume=never)")
+                raise UserError(
+                    f"the checkpoint's data sampler had {key}={state[key]!r}, this run has "
+                    f"{getattr(self, key)!r}: resume with the same data and data.seed/shuffle, "
+                    "or start a fresh run (checkpoint.resume=never)"
+                )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
 

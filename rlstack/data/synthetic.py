@@ -22,14 +22,29 @@ VAL_BUCKETS = 5  # one problem text in five belongs to the val split
 # reasoning keeps SmolLM2 inside a 64-token response (measured here: most long answers hit the limit).
 ARITH_INSTRUCTION = 'Solve it in one short sentence, then write the final answer as a number after "####".'
 
-NAMES = (("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"),
-         ("Sam", "He"), ("Lily", "She"), ("Jack", "He"), ("Emma", "She"))
-ITEMS = (("apple", "apples"), ("pencil", "pencils"), ("marble", "marbles"), ("cookie", "cookies"),
-         ("sticker", "stickers"), ("book", "books"), ("orange", "oranges"), ("stamp", "stamps"))
+NAMES = (
+    ("Tom", "He"),
+    ("Anna", "She"),
+    ("Ben", "He"),
+    ("Mia", "She"),
+    ("Sam", "He"),
+    ("Lily", "She"),
+    ("Jack", "He"),
+    ("Emma", "She"),
+)
+ITEMS = (
+    ("apple", "apples"),
+    ("pencil", "pencils"),
+    ("marble", "marbles"),
+    ("cookie", "cookies"),
+    ("sticker", "stickers"),
+    ("book", "books"),
+    ("orange", "oranges"),
+    ("stamp", "stamps"),
+)
 ADD_TEMPLATES = (
     "{name} has {a_items}. {He} buys {b} more. How many {items} does {he} have now?",
-    "{name} picked {a_items} in the morning and {b_items} in the afternoon. "
-    "How many {items} did {he} pick in total?",
+    "{name} picked {a_items} in the morning and {b_items} in the afternoon. How many {items} did {he} pick in total?",
     "There are {a_items} in a box. {name} puts in {b} more. How many {items} are in the box now?",
 )
 SUB_TEMPLATES = (
@@ -65,8 +80,9 @@ def _arith_problem(rng: random.Random, max_operand: int) -> tuple[str, str, int]
         a = rng.randint(1, max_operand)
         b = rng.randint(1, a)
         template, expression, answer = rng.choice(SUB_TEMPLATES), f"{a} - {b}", a - b
-    question = template.format(name=name, He=he, he=he.lower(), items=item[1], b=b,
-                               a_items=_count(a, item), b_items=_count(b, item))
+    question = template.format(
+        name=name, He=he, he=he.lower(), items=item[1], b=b, a_items=_count(a, item), b_items=_count(b, item)
+    )
     return question, expression, answer
 
 
@@ -80,14 +96,15 @@ def make_arith_rows(n: int, seed: int = 0, split: str = "train", max_operand: in
         question, expression, answer = _arith_problem(rng, max_operand)
         if _split_of(question) != split:
             continue  # the other split's problem: skipping it keeps the splits disjoint
-        rows.append({
-            "data_source": "arith",
-            "prompt": [{"role": "user", "content": f"{question}\n{ARITH_INSTRUCTION}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"split": split, "index": len(rows), "question": question,
-                           "expression": expression},
-        })
+        rows.append(
+            {
+                "data_source": "arith",
+                "prompt": [{"role": "user", "content": f"{question}\n{ARITH_INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": len(rows), "question": question, "expression": expression},
+            }
+        )
     return rows
 
 
@@ -97,13 +114,15 @@ def make_copy_rows(n: int, seed: int = 0, split: str = "train", max_operand: int
     rows = []
     for index in range(n):
         digit = str(rng.randint(0, 9))
-        rows.append({
-            "data_source": "copy",
-            "prompt": [{"role": "user", "content": f"Copy: {digit}"}],
-            "ability": "copy",
-            "reward_model": {"style": "rule", "ground_truth": digit},
-            "extra_info": {"split": split, "index": index},
-        })
+        rows.append(
+            {
+                "data_source": "copy",
+                "prompt": [{"role": "user", "content": f"Copy: {digit}"}],
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": digit},
+                "extra_info": {"split": split, "index": index},
+            }
+        )
     return rows
 
 
@@ -116,8 +135,9 @@ SYNTHETIC_TASKS: dict[str, Callable[..., list[dict]]] = {
 def make_rows(task: str, n: int, seed: int, split: str, max_operand: int) -> list[dict]:
     """Rows of the synthetic task `task`; an unknown name raises naming the choices."""
     if task not in SYNTHETIC_TASKS:
-        raise UserError(f"synthetic task {task!r} is unknown: set data.synthetic to one of "
-                         f"{', '.join(SYNTHETIC_TASKS)}")
+        raise UserError(
+            f"synthetic task {task!r} is unknown: set data.synthetic to one of {', '.join(SYNTHETIC_TASKS)}"
+        )
     if n < 0:
         raise UserError(f"synthetic size {n} is negative: set data.synthetic_train_size/val_size >= 0")
     return SYNTHETIC_TASKS[task](n, seed, split, max_operand)

@@ -155,8 +155,9 @@ def format_step_line(step: int, metrics: dict) -> str:
 BUG_REPORT = "this is a bug in rlstack, not a mistake in your input: please report it with the traceback above"
 
 
-def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None,
-                     other_rank_exit_delay_s: float = 2.0) -> T:
+def user_error_guard(
+    fn: Callable[[], T], rank: int, log: Optional[logging.Logger] = None, other_rank_exit_delay_s: float = 2.0
+) -> T:
     """Run fn(); tell a user's mistake (one line, exit 2) from a bug (its traceback once, exit 1).
 
     A user error (`rlstack.errors.UserError` / the bridge's `InputError`): rank 0 prints
@@ -192,8 +193,11 @@ def user_error_guard(fn: Callable[[], T], rank: int, log: Optional[logging.Logge
         if rank == 0:
             _write_console(_traceback_text(e) + f"error: {type(e).__name__}: {e}\nerror: {BUG_REPORT}", sys.stderr)
         else:
-            _write_console(f"error: rank {rank}: {type(e).__name__}: {e} ({BUG_REPORT.split(':')[0]}; "
-                           f"traceback in {where or 'this rank stderr'})", sys.stderr)
+            _write_console(
+                f"error: rank {rank}: {type(e).__name__}: {e} ({BUG_REPORT.split(':')[0]}; "
+                f"traceback in {where or 'this rank stderr'})",
+                sys.stderr,
+            )
         raise SystemExit(1) from None
 
 

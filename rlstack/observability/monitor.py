@@ -18,8 +18,7 @@ from rlstack.errors import UserError
 from rlstack.observability.logging import FILE_ONLY, LOGGER_NAME
 
 GIB = 1024**3
-FIX_HOST = ("lower rollout.micro_batch_size or algorithm.micro_batch_size, "
-            "or set model.gradient_checkpointing=true")
+FIX_HOST = "lower rollout.micro_batch_size or algorithm.micro_batch_size, or set model.gradient_checkpointing=true"
 FIX_GPU = "lower rollout.gpu_memory_utilization or the micro batch sizes"
 
 
@@ -90,8 +89,13 @@ class ResourceMonitor:
     engine's preallocated share (rollout.gpu_memory_utilization) and other processes on the GPU.
     """
 
-    def __init__(self, warn_fraction: float = 0.85, logger: Optional[logging.Logger] = None,
-                 total_bytes: Optional[int] = None, log_samples: bool = True):
+    def __init__(
+        self,
+        warn_fraction: float = 0.85,
+        logger: Optional[logging.Logger] = None,
+        total_bytes: Optional[int] = None,
+        log_samples: bool = True,
+    ):
         if not 0.0 < warn_fraction <= 1.0:
             raise UserError(f"logging.memory_warn_fraction is {warn_fraction}: use a fraction in (0, 1]")
         self.warn_fraction = warn_fraction
@@ -126,10 +130,14 @@ class ResourceMonitor:
         if children:
             metrics["mem/children_rss_gib"] = children / GIB
         process_frac = (rss + children) / self.total_bytes
-        self._check("host", max(process_frac, system_frac), FIX_HOST,
-                    f"host memory {max(process_frac, system_frac):.0%} used (this rank: RSS "
-                    f"{(rss + children) / GIB:.1f} GiB of {self.total_bytes / GIB:.1f} GiB; "
-                    f"system {system_frac:.0%} used)")
+        self._check(
+            "host",
+            max(process_frac, system_frac),
+            FIX_HOST,
+            f"host memory {max(process_frac, system_frac):.0%} used (this rank: RSS "
+            f"{(rss + children) / GIB:.1f} GiB of {self.total_bytes / GIB:.1f} GiB; "
+            f"system {system_frac:.0%} used)",
+        )
         return metrics
 
     def _children_rss(self) -> int:
@@ -149,10 +157,14 @@ class ResourceMonitor:
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
         used_frac = (total - free) / total
-        self._check("gpu", used_frac, FIX_GPU,
-                    f"GPU {device} memory {used_frac:.0%} used ({(total - free) / GIB:.1f} of "
-                    f"{total / GIB:.1f} GiB; this rank: allocated {allocated / GIB:.1f} GiB, "
-                    f"reserved {reserved / GIB:.1f} GiB)")
+        self._check(
+            "gpu",
+            used_frac,
+            FIX_GPU,
+            f"GPU {device} memory {used_frac:.0%} used ({(total - free) / GIB:.1f} of "
+            f"{total / GIB:.1f} GiB; this rank: allocated {allocated / GIB:.1f} GiB, "
+            f"reserved {reserved / GIB:.1f} GiB)",
+        )
         return {
             "mem/gpu_alloc_gib": allocated / GIB,
             "mem/gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
@@ -163,6 +175,5 @@ class ResourceMonitor:
     def _check(self, name: str, fraction: float, fix: str, detail: str) -> None:
         above = fraction > self.warn_fraction
         if above and not self._above.get(name, False):
-            self.logger.warning(f"memory: {detail}, past logging.memory_warn_fraction="
-                                f"{self.warn_fraction}: {fix}")
+            self.logger.warning(f"memory: {detail}, past logging.memory_warn_fraction={self.warn_fraction}: {fix}")
         self._above[name] = above

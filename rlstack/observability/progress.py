@@ -14,8 +14,13 @@ from rlstack.observability.logging import current_rank
 NON_TTY_MININTERVAL_S = 30.0
 
 
-def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool = True,
-             rank: Optional[int] = None, unit: str = "it") -> tqdm:
+def progress(
+    iterable_or_total: Union[Iterable, int],
+    desc: str,
+    enabled: bool = True,
+    rank: Optional[int] = None,
+    unit: str = "it",
+) -> tqdm:
     """A tqdm bar over an iterable, or over a count advanced with `.update(n)`.
 
     Disabled (enabled=False, or rank != 0; rank defaults to setup_logging's): a tqdm with
@@ -31,5 +36,14 @@ def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool =
     stream = sys.stderr
     is_tty = getattr(stream, "isatty", lambda: False)()
     mininterval = 0.1 if is_tty else NON_TTY_MININTERVAL_S
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, leave=False,
-                file=stream, mininterval=mininterval, dynamic_ncols=True)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=disable,
+        leave=False,
+        file=stream,
+        mininterval=mininterval,
+        dynamic_ncols=True,
+    )

@@ -130,13 +130,21 @@ class WandbTracker(Tracker):
 
     ID_FILE = "wandb_run_id"
 
-    def __init__(self, project: str, run_name: str = "", config_dict: Optional[dict] = None,
-                 output_dir: Optional[str] = None, resume: bool = True):
+    def __init__(
+        self,
+        project: str,
+        run_name: str = "",
+        config_dict: Optional[dict] = None,
+        output_dir: Optional[str] = None,
+        resume: bool = True,
+    ):
         try:
             import wandb
         except ImportError:
-            raise UserError("logging.trackers lists 'wandb' but wandb is not installed: "
-                            "pip install wandb, or remove wandb from logging.trackers") from None
+            raise UserError(
+                "logging.trackers lists 'wandb' but wandb is not installed: "
+                "pip install wandb, or remove wandb from logging.trackers"
+            ) from None
         id_path = os.path.join(output_dir or ".", self.ID_FILE)
         run_id = _read_run_id(id_path) if resume else None
         self.resumed = run_id is not None
@@ -144,8 +152,9 @@ class WandbTracker(Tracker):
             run_id = uuid.uuid4().hex[:16]  # W&B ids: letters and digits, <= 64 characters
         _write_run_id(id_path, run_id)
         self.run_id = run_id
-        self._run = wandb.init(project=project, name=run_name or None, config=config_dict,
-                               dir=output_dir, id=run_id, resume="allow")
+        self._run = wandb.init(
+            project=project, name=run_name or None, config=config_dict, dir=output_dir, id=run_id, resume="allow"
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self._run.log(scalar_metrics(metrics), step=step)
@@ -165,13 +174,21 @@ class MlflowTracker(Tracker):
     ID_FILE = "mlflow_run_id"
     MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
 
-    def __init__(self, project: str, run_name: str = "", config_dict: Optional[dict] = None,
-                 output_dir: Optional[str] = None, resume: bool = True):
+    def __init__(
+        self,
+        project: str,
+        run_name: str = "",
+        config_dict: Optional[dict] = None,
+        output_dir: Optional[str] = None,
+        resume: bool = True,
+    ):
         try:
             import mlflow
         except ImportError:
-            raise UserError("logging.trackers lists 'mlflow' but mlflow is not installed: "
-                            "pip install mlflow, or remove mlflow from logging.trackers") from None
+            raise UserError(
+                "logging.trackers lists 'mlflow' but mlflow is not installed: "
+                "pip install mlflow, or remove mlflow from logging.trackers"
+            ) from None
         self._mlflow = mlflow
         out = output_dir or "."
         if not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -190,8 +207,9 @@ class MlflowTracker(Tracker):
         _write_run_id(id_path, self.run_id)
 
     def log(self, metrics: dict, step: int) -> None:
-        numeric = {k: float(v) for k, v in scalar_metrics(metrics).items()
-                   if isinstance(v, (bool, int, float)) and k != "step"}
+        numeric = {
+            k: float(v) for k, v in scalar_metrics(metrics).items() if isinstance(v, (bool, int, float)) and k != "step"
+        }
         if numeric:
             self._mlflow.log_metrics(numeric, step=int(step))
 
@@ -226,16 +244,22 @@ class MultiTracker(Tracker):
             tracker.close()
 
 
-def build_trackers(names: list[str], output_dir: str, rank: int, config_dict: Optional[dict] = None,
-                   project: str = "rlstack", run_name: str = "", resume: bool = True) -> MultiTracker:
+def build_trackers(
+    names: list[str],
+    output_dir: str,
+    rank: int,
+    config_dict: Optional[dict] = None,
+    project: str = "rlstack",
+    run_name: str = "",
+    resume: bool = True,
+) -> MultiTracker:
     """Trackers named in logging.trackers (jsonl always on) on rank 0; a no-op elsewhere.
 
     resume: W&B and MLflow continue the run whose id is stored in output_dir (False: a new run).
     """
     unknown = [n for n in names if n not in TRACKER_NAMES]
     if unknown:
-        raise UserError(f"logging.trackers has unknown tracker {unknown[0]!r}: "
-                         f"use {', '.join(TRACKER_NAMES)}")
+        raise UserError(f"logging.trackers has unknown tracker {unknown[0]!r}: use {', '.join(TRACKER_NAMES)}")
     if rank != 0:
         return MultiTracker([])
     trackers: list[Tracker] = []

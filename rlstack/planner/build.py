@@ -61,9 +61,16 @@ class Plan:
 # ----------------------------------------------------------------------------- entry points
 
 
-def plan_for_config(cfg, world_size: int, gpu_memory_gib: float, device: str = "gpu",
-                    model_config_file: Optional[str] = None, config_path: str = "",
-                    fused_attention: Optional[bool] = None, suggest: bool = True) -> Plan:
+def plan_for_config(
+    cfg,
+    world_size: int,
+    gpu_memory_gib: float,
+    device: str = "gpu",
+    model_config_file: Optional[str] = None,
+    config_path: str = "",
+    fused_attention: Optional[bool] = None,
+    suggest: bool = True,
+) -> Plan:
     """The memory plan of `cfg` on `world_size` devices of `gpu_memory_gib` GiB each."""
     if device not in ("gpu", "cpu"):
         raise UserError(f"--device {device!r}: use gpu or cpu")
@@ -78,10 +85,24 @@ def plan_for_config(cfg, world_size: int, gpu_memory_gib: float, device: str = "
     setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
     budget = int(gpu_memory_gib * GIB)
     stage, items, kv = _most_loaded_stage(cfg, dims, shape, setting, device, budget)
-    plan = Plan(config_path=config_path, model_source=source, arch=args.arch, num_params=m.total_params(shape),
-                tp=dims.tp, pp=dims.pp, dp=dims.dp, world_size=dims.world_size, device=device,
-                dtype=cfg.model.dtype, budget_bytes=budget, stage=stage, items=items, kv=kv,
-                recompute=cfg.model.gradient_checkpointing, other_recompute_peak=0)
+    plan = Plan(
+        config_path=config_path,
+        model_source=source,
+        arch=args.arch,
+        num_params=m.total_params(shape),
+        tp=dims.tp,
+        pp=dims.pp,
+        dp=dims.dp,
+        world_size=dims.world_size,
+        device=device,
+        dtype=cfg.model.dtype,
+        budget_bytes=budget,
+        stage=stage,
+        items=items,
+        kv=kv,
+        recompute=cfg.model.gradient_checkpointing,
+        other_recompute_peak=0,
+    )
     flipped = _with(cfg, {"model.gradient_checkpointing": not cfg.model.gradient_checkpointing})
     plan.other_recompute_peak = _peak(flipped, dims, shape, args, device, budget, fused_attention)
     plan.offload_peak = peak_of([i for i in items if not i.name.startswith("optimizer")])
@@ -101,8 +122,10 @@ def _dims(cfg, world_size: int, args):
     except ValueError as e:
         raise UserError(str(e))
     if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tp:
-        raise UserError(f"rollout.tp={cfg.rollout.tp} does not divide the world size {world_size}: "
-                        f"choose rollout.tp from the divisors of {world_size}")
+        raise UserError(
+            f"rollout.tp={cfg.rollout.tp} does not divide the world size {world_size}: "
+            f"choose rollout.tp from the divisors of {world_size}"
+        )
     return dims
 
 
@@ -117,11 +140,15 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
     per_replica = math.ceil(d.train_batch_size / replicas) * r.n
     at_once = min(r.max_num_seqs, per_replica) if r.engine == "vllm" else min(r.micro_batch_size, per_replica)
     return Setting(
-        param_bytes=param_bytes, mixed_precision=param_bytes == 2, seq_len=seq_len,
-        train_mb=m.Tokens(min(a.micro_batch_size, local_seqs), seq_len), in_flight=min(num_micro, dims.pp),
+        param_bytes=param_bytes,
+        mixed_precision=param_bytes == 2,
+        seq_len=seq_len,
+        train_mb=m.Tokens(min(a.micro_batch_size, local_seqs), seq_len),
+        in_flight=min(num_micro, dims.pp),
         rollout_seqs=max(1, at_once),
         max_model_len=r.max_model_len or min(max_position_embeddings, seq_len),
-        fused_attention=fused_attention, has_critic=a.name == "ppo",
+        fused_attention=fused_attention,
+        has_critic=a.name == "ppo",
         has_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
     )
@@ -199,13 +226,19 @@ def _notes(cfg, plan: Plan) -> list[str]:
     kv = plan.kv
     if kv.recommended_share is not None:
         if kv.available_bytes < 0:
-            notes.append(f"the vLLM share {cfg.rollout.gpu_memory_utilization:g} does not hold its own weights: "
-                         f"set rollout.gpu_memory_utilization={kv.recommended_share}")
+            notes.append(
+                f"the vLLM share {cfg.rollout.gpu_memory_utilization:g} does not hold its own weights: "
+                f"set rollout.gpu_memory_utilization={kv.recommended_share}"
+            )
         elif kv.available_bytes < kv.need_bytes:
-            notes.append(f"the vLLM share leaves {kv.available_bytes / GIB:.1f} GiB for a {kv.need_bytes / GIB:.1f} GiB "
-                         f"KV need: vLLM will run fewer sequences at once; rollout.gpu_memory_utilization="
-                         f"{kv.recommended_share} holds them all")
+            notes.append(
+                f"the vLLM share leaves {kv.available_bytes / GIB:.1f} GiB for a {kv.need_bytes / GIB:.1f} GiB "
+                f"KV need: vLLM will run fewer sequences at once; rollout.gpu_memory_utilization="
+                f"{kv.recommended_share} holds them all"
+            )
         elif kv.available_bytes > 2 * KV_HEADROOM * kv.need_bytes:
-            notes.append(f"the vLLM share leaves {kv.available_bytes / kv.need_bytes:.1f}x the KV need: "
-                         f"rollout.gpu_memory_utilization={kv.recommended_share} is enough")
+            notes.append(
+                f"the vLLM share leaves {kv.available_bytes / kv.need_bytes:.1f}x the KV need: "
+                f"rollout.gpu_memory_utilization={kv.recommended_share} is enough"
+            )
     return notes

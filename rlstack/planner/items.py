@@ -101,14 +101,21 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
     params = m.stage_params(shape, dims.tp, dims.pp, stage, value_head=value_head)
     dist_opt = cfg.parallel.use_distributed_optimizer and dims.dp > 1
     dtype = "fp32" if s.param_bytes == 4 else cfg.model.dtype[:2] + "16"
-    opt_name = ("fp32 main params + " if s.mixed_precision else "") + "Adam m, v" + (
-        f", /dp{dims.dp} (distributed optimizer)" if dist_opt else "")
+    opt_name = (
+        ("fp32 main params + " if s.mixed_precision else "")
+        + "Adam m, v"
+        + (f", /dp{dims.dp} (distributed optimizer)" if dist_opt else "")
+    )
     items = [
         Item(role, f"weights ({dtype}, {_count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
         Item(role, "gradients (fp32 DDP buffer)", _every(m.grad_bytes(params))),
         Item(role, f"optimizer ({opt_name})", _every(m.optimizer_bytes(params, s.mixed_precision, dims.dp, dist_opt))),
-        Item(role, "optimizer step temporaries (torch Adam)",
-             {"step": m.adam_step_temp_bytes(params, dims.dp, dist_opt)}, transient=True),
+        Item(
+            role,
+            "optimizer step temporaries (torch Adam)",
+            {"step": m.adam_step_temp_bytes(params, dims.dp, dist_opt)},
+            transient=True,
+        ),
     ]
     items += activation_items(role, cfg, dims, shape, s, stage, value_head)
     return items
@@ -118,13 +125,20 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
     """A trainable role's temporaries: its scoring forward (critic values, old log-probs) and its update."""
     recompute = cfg.model.gradient_checkpointing
     mb, tp, e = s.train_mb, dims.tp, s.param_bytes
-    train = m.training_activation_bytes(shape, tp, dims.pp, mb, e, s.fused_attention, recompute,
-                                        s.in_flight if stage == 0 else 1)
+    train = m.training_activation_bytes(
+        shape, tp, dims.pp, mb, e, s.fused_attention, recompute, s.in_flight if stage == 0 else 1
+    )
     scores = value_head or s.needs_old_logprob
     fwd = m.forward_only_bytes(shape, tp, mb, e, s.fused_attention) if scores else 0
-    items = [Item(role, f"activations (micro-batch {mb.batch} x {mb.seq_len} tokens, "
-                        f"{'recompute' if recompute else 'no recompute'})", {"scoring": fwd, "update": train},
-                  transient=True)]
+    items = [
+        Item(
+            role,
+            f"activations (micro-batch {mb.batch} x {mb.seq_len} tokens, "
+            f"{'recompute' if recompute else 'no recompute'})",
+            {"scoring": fwd, "update": train},
+            transient=True,
+        )
+    ]
     if stage != dims.pp - 1:
         return items
     if value_head:
@@ -133,23 +147,39 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
     else:
         temperature = cfg.rollout.temperature
         lp_score = m.logprob_forward_bytes(shape, tp, mb, e, temperature) if s.needs_old_logprob else 0
-        items.append(Item(role, f"log-prob/entropy temporaries ([{mb.count} tokens, {shape.padded_vocab_size // tp}"
-                                f" vocab/tp] fp32 copies)",
-                          {"scoring": lp_score, "update": m.logprob_train_bytes(shape, tp, mb, e, temperature)},
-                          transient=True))
+        items.append(
+            Item(
+                role,
+                f"log-prob/entropy temporaries ([{mb.count} tokens, {shape.padded_vocab_size // tp}"
+                f" vocab/tp] fp32 copies)",
+                {"scoring": lp_score, "update": m.logprob_train_bytes(shape, tp, mb, e, temperature)},
+                transient=True,
+            )
+        )
     return items
 
 
 def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     params = m.stage_params(shape, dims.tp, dims.pp, stage)
     mb, e = s.train_mb, s.param_bytes
-    items = [Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e)),
-             Item("reference", f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
-                  {"scoring": m.forward_only_bytes(shape, dims.tp, mb, e, s.fused_attention)}, transient=True)]
+    items = [
+        Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e)),
+        Item(
+            "reference",
+            f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
+            {"scoring": m.forward_only_bytes(shape, dims.tp, mb, e, s.fused_attention)},
+            transient=True,
+        ),
+    ]
     if stage == dims.pp - 1:
-        items.append(Item("reference", "log-prob temporaries (forward only)",
-                          {"scoring": m.logprob_forward_bytes(shape, dims.tp, mb, e, cfg.rollout.temperature)},
-                          transient=True))
+        items.append(
+            Item(
+                "reference",
+                "log-prob temporaries (forward only)",
+                {"scoring": m.logprob_forward_bytes(shape, dims.tp, mb, e, cfg.rollout.temperature)},
+                transient=True,
+            )
+        )
     return items
 
 
@@ -167,12 +197,24 @@ def _vllm_gpu_items(r, shape, s: Setting, budget: int):
     share = int(r.gpu_memory_utilization * budget)
     need = m.kv_cache_bytes(shape, r.tp, kv_bytes, s.rollout_seqs, s.max_model_len)
     recommended = math.ceil(100 * (weights + profile + KV_HEADROOM * need) / budget) / 100
-    kv = KvReport(m.kv_bytes_per_token(shape, r.tp, kv_bytes), s.rollout_seqs, s.max_model_len, need,
-                  share - weights - profile, recommended)
+    kv = KvReport(
+        m.kv_bytes_per_token(shape, r.tp, kv_bytes),
+        s.rollout_seqs,
+        s.max_model_len,
+        need,
+        share - weights - profile,
+        recommended,
+    )
     # Without sleep mode vLLM keeps its whole share (weights + KV cache) through scoring and update.
-    items = [Item("rollout", f"vLLM share (gpu_memory_utilization {r.gpu_memory_utilization:g}: weights "
-                             f"{weights / GIB:.2f} GiB + KV cache)", _every(share)),
-             Item("rollout", "weight-sync bucket", {"rollout": r.sync_bucket_mb << 20}, transient=True)]
+    items = [
+        Item(
+            "rollout",
+            f"vLLM share (gpu_memory_utilization {r.gpu_memory_utilization:g}: weights "
+            f"{weights / GIB:.2f} GiB + KV cache)",
+            _every(share),
+        ),
+        Item("rollout", "weight-sync bucket", {"rollout": r.sync_bucket_mb << 20}, transient=True),
+    ]
     return items, kv
 
 
@@ -190,12 +232,20 @@ def _local_engine_items(r, shape, s: Setting, device: str):
     else:
         resident = {"rollout": need}  # DynamicCache: freed after each generate micro-batch (rollout only)
     kv = KvReport(m.kv_bytes_per_token(shape, rollout_tp, e), s.rollout_seqs, s.max_model_len, need, need, None)
-    items = [Item("rollout", f"{r.engine} engine weights ({'fp32' if e == 4 else 'bf16'} full copy)", _every(weights)),
-             Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident)]
+    items = [
+        Item("rollout", f"{r.engine} engine weights ({'fp32' if e == 4 else 'bf16'} full copy)", _every(weights)),
+        Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident),
+    ]
     if r.engine == "hf":
         prompt = max(1, s.max_model_len - r.max_new_tokens)
-        items.append(Item("rollout", "prefill temporaries", {"rollout": m.prefill_bytes(shape, s.rollout_seqs, prompt, e)},
-                          transient=True))
+        items.append(
+            Item(
+                "rollout",
+                "prefill temporaries",
+                {"rollout": m.prefill_bytes(shape, s.rollout_seqs, prompt, e)},
+                transient=True,
+            )
+        )
     return items, kv
 
 
@@ -207,8 +257,12 @@ def runtime_items(dims, cfg, shape, s: Setting, device: str, items: list[Item]) 
     if device == "cpu":
         return out + [Item("runtime", "python + torch + megatron + transformers (measured)", _every(CPU_RUNTIME_BYTES))]
     comms = 1 + sum(size > 1 for size in (dims.tp, dims.pp, dims.dp)) + (cfg.rollout.tp > 1)
-    out += [Item("runtime", "CUDA context + cuBLAS workspaces", _every(CUDA_CONTEXT_BYTES)),
-            Item("runtime", f"NCCL buffers ({comms} communicator{'s' if comms > 1 else ''})", _every(comms * NCCL_COMM_BYTES))]
+    out += [
+        Item("runtime", "CUDA context + cuBLAS workspaces", _every(CUDA_CONTEXT_BYTES)),
+        Item(
+            "runtime", f"NCCL buffers ({comms} communicator{'s' if comms > 1 else ''})", _every(comms * NCCL_COMM_BYTES)
+        ),
+    ]
     training = [i for i in items if i.role != "rollout"]
     headroom = {p: int(ALLOCATOR_HEADROOM * phase_total(training, p)) for p in PHASES}
     out.append(Item("runtime", f"allocator fragmentation ({ALLOCATOR_HEADROOM:.0%} of the training bytes)", headroom))

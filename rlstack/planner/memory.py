@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,13 @@ def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_
 
 def attention_scores_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int) -> int:
     """Unfused attention's softmax [b, heads/t, s, s]: fp32 (attention_softmax_in_fp32) + a cast copy."""
-    elems = mb.batch * (s.num_attention_heads // tp) * mb.seq_len ** 2
+    elems = mb.batch * (s.num_attention_heads // tp) * mb.seq_len**2
     return elems * (4 + (act_bytes if act_bytes != 4 else 0))
 
 
-def training_activation_bytes(s: Shape, tp: int, pp: int, mb: Tokens, act_bytes: int, fused_attention: bool,
-                              recompute: bool, in_flight: int) -> int:
+def training_activation_bytes(
+    s: Shape, tp: int, pp: int, mb: Tokens, act_bytes: int, fused_attention: bool, recompute: bool, in_flight: int
+) -> int:
     """Activations a pipeline stage holds at the peak of backward.
 
     Without recompute every layer's saved tensors stay until its backward. With megatron's full
@@ -181,7 +182,7 @@ def scores_buffer_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_att
     """Unfused attention writes q.k^T into megatron's global memory buffer [b*heads/t, s, s], kept for reuse."""
     if fused_attention:
         return 0
-    return mb.batch * (s.num_attention_heads // tp) * mb.seq_len ** 2 * act_bytes
+    return mb.batch * (s.num_attention_heads // tp) * mb.seq_len**2 * act_bytes
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -241,12 +242,11 @@ def prefill_bytes(s: Shape, batch: int, prompt_len: int, act_bytes: int) -> int:
     """A transformers prefill (no_grad): one layer's working set, with the [b, heads, s, s] scores."""
     tokens = batch * prompt_len
     per_token = (4 * s.hidden_size + 3 * s.ffn_hidden_size + s.q_size + 2 * s.kv_size) * act_bytes
-    scores = batch * s.num_attention_heads * prompt_len ** 2 * 4
+    scores = batch * s.num_attention_heads * prompt_len**2 * 4
     return tokens * per_token + scores
 
 
-def vllm_profile_bytes(s: Shape, rollout_tp: int, max_num_seqs: int, max_batched_tokens: int,
-                       act_bytes: int) -> int:
+def vllm_profile_bytes(s: Shape, rollout_tp: int, max_num_seqs: int, max_batched_tokens: int, act_bytes: int) -> int:
     """vLLM's own activation peak inside its share: a prefill chunk's MLP and the sampler's fp32 logits."""
     prefill = max_batched_tokens * (2 * s.hidden_size + 3 * s.ffn_hidden_size // rollout_tp) * act_bytes
     sampler = max_num_seqs * (s.padded_vocab_size // rollout_tp) * 4 * 2

@@ -45,8 +45,10 @@ def _table(plan: Plan, where: str) -> str:
         mark = " *" if item.transient else ""
         rows.append(f"{item.role:<10} {item.name + mark:<{label_width - 11}}" + cells)
     rows.append("-" * len(header))
-    rows.append(f"{'total (resident + largest role temporaries *)':<{label_width}}"
-                + "".join(f"{gib(plan.total(p)):>9}" for p in PHASES))
+    rows.append(
+        f"{'total (resident + largest role temporaries *)':<{label_width}}"
+        + "".join(f"{gib(plan.total(p)):>9}" for p in PHASES)
+    )
     return "\n".join(rows)
 
 
@@ -58,18 +60,24 @@ def _cell(nbytes: int) -> str:
 
 def _kv_line(plan: Plan) -> str:
     kv = plan.kv
-    head = (f"KV cache need: {kv.num_seqs} seqs x {kv.max_model_len} tokens x {kv.per_token_bytes / 1024:.1f} KiB "
-            f"= {gib(kv.need_bytes)} GiB")
+    head = (
+        f"KV cache need: {kv.num_seqs} seqs x {kv.max_model_len} tokens x {kv.per_token_bytes / 1024:.1f} KiB "
+        f"= {gib(kv.need_bytes)} GiB"
+    )
     if kv.recommended_share is None:
         return head
-    return (head + f"; the vLLM share leaves {gib(kv.available_bytes)} GiB for it; "
-            f"gpu_memory_utilization {kv.recommended_share} would hold the need + 10%")
+    return (
+        head + f"; the vLLM share leaves {gib(kv.available_bytes)} GiB for it; "
+        f"gpu_memory_utilization {kv.recommended_share} would hold the need + 10%"
+    )
 
 
 def _recompute_line(plan: Plan) -> str:
     other = "with" if not plan.recompute else "without"
-    return f"peak {other} activation recompute (model.gradient_checkpointing={str(not plan.recompute).lower()}): " \
-           f"{gib(plan.other_recompute_peak)} GiB"
+    return (
+        f"peak {other} activation recompute (model.gradient_checkpointing={str(not plan.recompute).lower()}): "
+        f"{gib(plan.other_recompute_peak)} GiB"
+    )
 
 
 def _verdict(plan: Plan) -> str:
@@ -78,29 +86,46 @@ def _verdict(plan: Plan) -> str:
     if plan.fits:
         return peak + ": fits"
     if plan.suggestion:
-        return (peak + f": does not fit; {' '.join(plan.suggestion)} would fit "
-                       f"(peak {gib(plan.suggestion_peak)} GiB)")
-    return peak + (f": does not fit even with recompute, micro-batch 1, the distributed optimizer and the vLLM "
-                   f"share at its need; optimizer-state offload to the host would give {gib(plan.offload_peak)} GiB "
-                   f"(not in rlstack yet): add GPUs (parallel.tp/pp) or offload")
+        return peak + f": does not fit; {' '.join(plan.suggestion)} would fit (peak {gib(plan.suggestion_peak)} GiB)"
+    return peak + (
+        f": does not fit even with recompute, micro-batch 1, the distributed optimizer and the vLLM "
+        f"share at its need; optimizer-state offload to the host would give {gib(plan.offload_peak)} GiB "
+        f"(not in rlstack yet): add GPUs (parallel.tp/pp) or offload"
+    )
 
 
 def plan_to_dict(plan: Plan) -> dict:
     return {
-        "config": plan.config_path, "model_source": plan.model_source, "arch": plan.arch,
-        "num_params": plan.num_params, "device": plan.device, "dtype": plan.dtype,
+        "config": plan.config_path,
+        "model_source": plan.model_source,
+        "arch": plan.arch,
+        "num_params": plan.num_params,
+        "device": plan.device,
+        "dtype": plan.dtype,
         "layout": {"world_size": plan.world_size, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "stage": plan.stage},
         "budget_bytes": plan.budget_bytes,
-        "items": [{"role": i.role, "name": i.name, "transient": i.transient,
-                   "bytes": {p: i.at(p) for p in PHASES}} for i in plan.items],
+        "items": [
+            {"role": i.role, "name": i.name, "transient": i.transient, "bytes": {p: i.at(p) for p in PHASES}}
+            for i in plan.items
+        ],
         "phase_bytes": {p: plan.total(p) for p in PHASES},
-        "peak_phase": plan.peak_phase, "peak_bytes": plan.peak_bytes, "peak_gib": round(plan.peak_bytes / GIB, 3),
+        "peak_phase": plan.peak_phase,
+        "peak_bytes": plan.peak_bytes,
+        "peak_gib": round(plan.peak_bytes / GIB, 3),
         "allocator_peak_bytes": plan.allocator_peak(),
         "fits": plan.fits,
-        "kv_cache": {"per_token_bytes": plan.kv.per_token_bytes, "num_seqs": plan.kv.num_seqs,
-                     "max_model_len": plan.kv.max_model_len, "need_bytes": plan.kv.need_bytes,
-                     "available_bytes": plan.kv.available_bytes, "recommended_share": plan.kv.recommended_share},
-        "recompute": plan.recompute, "other_recompute_peak_bytes": plan.other_recompute_peak,
-        "suggestion": plan.suggestion, "suggestion_peak_bytes": plan.suggestion_peak,
-        "offload_peak_bytes": plan.offload_peak, "notes": plan.notes,
+        "kv_cache": {
+            "per_token_bytes": plan.kv.per_token_bytes,
+            "num_seqs": plan.kv.num_seqs,
+            "max_model_len": plan.kv.max_model_len,
+            "need_bytes": plan.kv.need_bytes,
+            "available_bytes": plan.kv.available_bytes,
+            "recommended_share": plan.kv.recommended_share,
+        },
+        "recompute": plan.recompute,
+        "other_recompute_peak_bytes": plan.other_recompute_peak,
+        "suggestion": plan.suggestion,
+        "suggestion_peak_bytes": plan.suggestion_peak,
+        "offload_peak_bytes": plan.offload_peak,
+        "notes": plan.notes,
     }

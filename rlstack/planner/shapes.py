@@ -17,9 +17,17 @@ from rlstack.planner.memory import Shape
 
 # config.json of SmolLM2-135M-Instruct (the embedded default), the fields ModelArgs reads.
 SMOLLM2_135M_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
     "max_position_embeddings": 8192,
 }
 
@@ -30,9 +38,13 @@ def tiny_hf_config(tiny) -> dict:
 
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[tiny.arch]
     return {
-        "architectures": [arch], "hidden_size": tiny.hidden_size, "intermediate_size": tiny.intermediate_size,
-        "num_hidden_layers": tiny.num_layers, "num_attention_heads": tiny.num_attention_heads,
-        "num_key_value_heads": tiny.num_key_value_heads, "vocab_size": TOKENIZER_VOCAB,
+        "architectures": [arch],
+        "hidden_size": tiny.hidden_size,
+        "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_layers,
+        "num_attention_heads": tiny.num_attention_heads,
+        "num_key_value_heads": tiny.num_key_value_heads,
+        "vocab_size": TOKENIZER_VOCAB,
         "tie_word_embeddings": tiny.tie_word_embeddings,
         "max_position_embeddings": TinySpec.max_position_embeddings,
     }
@@ -53,8 +65,10 @@ def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[d
         return dict(SMOLLM2_135M_CONFIG), "embedded SmolLM2-135M-Instruct config"
     path = os.path.join(model_cfg.path, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
-                        f"or pass --model-config FILE (a config.json; tests/assets/model_configs/ has Qwen2's)")
+        raise UserError(
+            f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
+            f"or pass --model-config FILE (a config.json; tests/assets/model_configs/ has Qwen2's)"
+        )
     return read_config_file(path), path
 
 
@@ -72,9 +86,14 @@ def model_args(hf: dict, source: str):
 
 def shape_of(args, tp: int) -> Shape:
     return Shape(
-        hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size, num_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        head_dim=args.head_dim, vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
         padded_vocab_size=args.padded_vocab_size(tp),  # as the bridge pads it
-        tie_word_embeddings=args.tie_word_embeddings, qkv_bias=args.qkv_bias,
+        tie_word_embeddings=args.tie_word_embeddings,
+        qkv_bias=args.qkv_bias,
     )

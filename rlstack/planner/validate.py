@@ -14,14 +14,15 @@ def local_device_memory_gib(local_world_size: int = 1) -> tuple[str, float]:
     import torch
 
     if torch.cuda.is_available():
-        return "gpu", torch.cuda.get_device_properties(0).total_memory / 1024 ** 3
+        return "gpu", torch.cuda.get_device_properties(0).total_memory / 1024**3
     import psutil
 
-    return "cpu", psutil.virtual_memory().total / 1024 ** 3 / max(1, local_world_size)
+    return "cpu", psutil.virtual_memory().total / 1024**3 / max(1, local_world_size)
 
 
-def plan_for_validate(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
-                      config_path: str = "") -> Optional[Plan]:
+def plan_for_validate(
+    cfg, world_size: int, gpu_memory_gib: Optional[float] = None, config_path: str = ""
+) -> Optional[Plan]:
     """The plan for this machine (or for `gpu_memory_gib` GPUs); None when model.path has no config.json."""
     if not model_config_present(cfg.model):
         return None

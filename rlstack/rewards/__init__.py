@@ -65,9 +65,15 @@ class Sample:
 class RewardScorer:
     """Scores responses with a custom function (verl's signature) or a built-in scorer."""
 
-    def __init__(self, custom_file: str = "", custom_name: str = "compute_score",
-                 reward_kwargs: Optional[dict] = None, timeout_s: float = 0.0, batched: bool = False,
-                 builtin: str = ""):
+    def __init__(
+        self,
+        custom_file: str = "",
+        custom_name: str = "compute_score",
+        reward_kwargs: Optional[dict] = None,
+        timeout_s: float = 0.0,
+        batched: bool = False,
+        builtin: str = "",
+    ):
         self.custom_file, self.custom_name = custom_file, custom_name
         self.reward_kwargs = dict(reward_kwargs or {})
         self.timeout_s = float(timeout_s)
@@ -76,24 +82,38 @@ class RewardScorer:
         if custom_file:
             self.custom_fn = load_custom_reward(custom_file, custom_name, batched=self.batched)
         elif self.batched:
-            raise UserError("data.reward_fn_batched=true needs data.reward_fn_file: set the file of "
-                            f"a {BATCHED_SIGNATURE} function, or set data.reward_fn_batched=false")
+            raise UserError(
+                "data.reward_fn_batched=true needs data.reward_fn_file: set the file of "
+                f"a {BATCHED_SIGNATURE} function, or set data.reward_fn_batched=false"
+            )
         if builtin and builtin not in SCORERS:
-            raise UserError(f"data.reward_scorer={builtin!r} is not a built-in scorer: choose one of "
-                            f"{', '.join(sorted(SCORERS))}")
+            raise UserError(
+                f"data.reward_scorer={builtin!r} is not a built-in scorer: choose one of {', '.join(sorted(SCORERS))}"
+            )
         self.builtin = builtin
 
     @classmethod
     def from_config(cls, data) -> RewardScorer:
         """From rlstack.config.DataConfig (reward_fn_file, _name, _batched, reward_kwargs, ...)."""
-        return cls(data.reward_fn_file, data.reward_fn_name, reward_kwargs=data.reward_kwargs,
-                   timeout_s=data.reward_timeout_s, batched=data.reward_fn_batched,
-                   builtin=data.reward_scorer)
+        return cls(
+            data.reward_fn_file,
+            data.reward_fn_name,
+            reward_kwargs=data.reward_kwargs,
+            timeout_s=data.reward_timeout_s,
+            batched=data.reward_fn_batched,
+            builtin=data.reward_scorer,
+        )
 
     # ------------------------------------------------------------------ scoring
 
-    def score(self, data_source: str, solution_str: str, ground_truth: Any,
-              extra_info: Optional[dict] = None, row: Optional[int] = None) -> float:
+    def score(
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: Any,
+        extra_info: Optional[dict] = None,
+        row: Optional[int] = None,
+    ) -> float:
         """The score of one response (a float)."""
         return self.score_batch([Sample(data_source, solution_str, ground_truth, extra_info, row)])[0].score
 
@@ -108,12 +128,18 @@ class RewardScorer:
     def _builtin(self, s: Sample) -> ScoreResult:
         name = self.builtin or s.data_source
         fn = self._rule(name)
-        return as_result(fn(s.solution_str, s.ground_truth, s.extra_info), f"{fn.__name__} (built-in)",
-                         where(s.data_source, s.row))
+        return as_result(
+            fn(s.solution_str, s.ground_truth, s.extra_info), f"{fn.__name__} (built-in)", where(s.data_source, s.row)
+        )
 
     def _custom_one(self, s: Sample) -> ScoreResult:
-        kwargs = dict(data_source=s.data_source, solution_str=s.solution_str, ground_truth=s.ground_truth,
-                      extra_info=s.extra_info, **self.reward_kwargs)
+        kwargs = dict(
+            data_source=s.data_source,
+            solution_str=s.solution_str,
+            ground_truth=s.ground_truth,
+            extra_info=s.extra_info,
+            **self.reward_kwargs,
+        )
         value = self._call(kwargs, self.timeout_s, where(s.data_source, s.row))
         if value is _TIMED_OUT:
             return ScoreResult(0.0, timed_out=True)
@@ -122,10 +148,13 @@ class RewardScorer:
     def _custom_batched(self, samples: list[Sample]) -> list[ScoreResult]:
         if not samples:
             return []
-        kwargs = dict(data_sources=[s.data_source for s in samples],
-                      solution_strs=[s.solution_str for s in samples],
-                      ground_truths=[s.ground_truth for s in samples],
-                      extra_infos=[s.extra_info for s in samples], **self.reward_kwargs)
+        kwargs = dict(
+            data_sources=[s.data_source for s in samples],
+            solution_strs=[s.solution_str for s in samples],
+            ground_truths=[s.ground_truth for s in samples],
+            extra_infos=[s.extra_info for s in samples],
+            **self.reward_kwargs,
+        )
         rows = ", ".join(str(s.row) for s in samples[:4]) + (", ..." if len(samples) > 4 else "")
         batch_where = f"a batch of {len(samples)} samples (data_source {samples[0].data_source!r}, rows {rows})"
         # A batched call covers many samples: its limit is the per-sample limit times their number.
@@ -138,21 +167,29 @@ class RewardScorer:
             values = None
         if values is None or len(values) != len(samples):
             got = f"{len(values)} results" if values is not None else repr(value)[:80]
-            raise UserError(f"batched reward function {self._fn_name} returned {got} for {batch_where}: "
-                            f"return a list of {len(samples)} numbers or dicts with a 'score' key")
+            raise UserError(
+                f"batched reward function {self._fn_name} returned {got} for {batch_where}: "
+                f"return a list of {len(samples)} numbers or dicts with a 'score' key"
+            )
         return [as_result(v, self._fn_name, where(s.data_source, s.row)) for v, s in zip(values, samples)]
 
     def _call(self, kwargs: dict, timeout_s: float, where_text: str) -> Any:
         try:
             return call_with_timeout(self.custom_fn, timeout_s, kwargs)
         except RewardTimeout:
-            log.warning("reward function %s ran past %gs for %s: score 0.0 (raise "
-                        "data.reward_timeout_s if this is expected)", self._fn_name, timeout_s, where_text)
+            log.warning(
+                "reward function %s ran past %gs for %s: score 0.0 (raise data.reward_timeout_s if this is expected)",
+                self._fn_name,
+                timeout_s,
+                where_text,
+            )
             return _TIMED_OUT
         except Exception as e:
             first_line = (str(e).splitlines() or [""])[0]
-            raise UserError(f"reward function {self._fn_name} raised {type(e).__name__}: {first_line} "
-                            f"for {where_text}: fix the function") from e
+            raise UserError(
+                f"reward function {self._fn_name} raised {type(e).__name__}: {first_line} "
+                f"for {where_text}: fix the function"
+            ) from e
 
     @property
     def _fn_name(self) -> str:
@@ -170,13 +207,25 @@ class RewardScorer:
     def _rule(name: str) -> Callable[..., float]:
         fn = SCORERS.get(name)
         if fn is None:
-            raise UserError(f"no reward scorer for data_source {name!r} (built in: "
-                            f"{', '.join(sorted(SCORERS))}): set data.reward_fn_file to a Python file "
-                            f"defining {SIGNATURE}, or data.reward_scorer to a built-in")
+            raise UserError(
+                f"no reward scorer for data_source {name!r} (built in: "
+                f"{', '.join(sorted(SCORERS))}): set data.reward_fn_file to a Python file "
+                f"defining {SIGNATURE}, or data.reward_scorer to a built-in"
+            )
         return fn
 
 
 _TIMED_OUT = object()
 
-__all__ = ["SCORERS", "RewardScorer", "Sample", "ScoreResult", "extras_metrics", "extras_sums", "merge_extras_sums",
-           "load_custom_reward", "SIGNATURE", "BATCHED_SIGNATURE"]
+__all__ = [
+    "SCORERS",
+    "RewardScorer",
+    "Sample",
+    "ScoreResult",
+    "extras_metrics",
+    "extras_sums",
+    "merge_extras_sums",
+    "load_custom_reward",
+    "SIGNATURE",
+    "BATCHED_SIGNATURE",
+]

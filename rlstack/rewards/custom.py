@@ -65,11 +65,11 @@ def load_custom_reward(path: str, name: str = "compute_score", batched: bool = F
     fn = getattr(module, name, None)
     wanted = BATCHED_SIGNATURE if batched else SIGNATURE
     if fn is None:
-        raise UserError(f"reward file {path} has no function {name!r}: define {wanted} there "
-                        "or set data.reward_fn_name")
+        raise UserError(
+            f"reward file {path} has no function {name!r}: define {wanted} there or set data.reward_fn_name"
+        )
     if not callable(fn):
-        raise UserError(f"reward file {path}: {name!r} is a {type(fn).__name__}, not a function: "
-                        f"define {wanted}")
+        raise UserError(f"reward file {path}: {name!r} is a {type(fn).__name__}, not a function: define {wanted}")
     _check_signature(fn, path, name, batched)
     return fn
 
@@ -87,8 +87,9 @@ def _import_file(path: str):
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise UserError(f"reward file {path} failed to import ({type(e).__name__}: {e}): "
-                        "fix the error in that file") from e
+        raise UserError(
+            f"reward file {path} failed to import ({type(e).__name__}: {e}): fix the error in that file"
+        ) from e
     return module
 
 
@@ -102,9 +103,11 @@ def _check_signature(fn: Callable, path: str, name: str, batched: bool) -> None:
         signature.bind(**{p: None for p in params})
     except TypeError:
         other = "data.reward_fn_batched=false" if batched else "data.reward_fn_batched=true"
-        raise UserError(f"reward function {name}{signature} in {path} cannot be called as verl calls it: "
-                        f"use the signature {BATCHED_SIGNATURE if batched else SIGNATURE} "
-                        f"(or set {other} if it is the other form)") from None
+        raise UserError(
+            f"reward function {name}{signature} in {path} cannot be called as verl calls it: "
+            f"use the signature {BATCHED_SIGNATURE if batched else SIGNATURE} "
+            f"(or set {other} if it is the other form)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- calling
@@ -171,15 +174,19 @@ def as_result(value: Any, name: str, where: str) -> ScoreResult:
     extras: dict[str, Any] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            raise UserError(f"reward function {name} returned a dict without 'score' (keys: "
-                            f"{sorted(map(str, value))}) for {where}: return a number or a dict "
-                            "with a 'score' key")
+            raise UserError(
+                f"reward function {name} returned a dict without 'score' (keys: "
+                f"{sorted(map(str, value))}) for {where}: return a number or a dict "
+                "with a 'score' key"
+            )
         extras = {k: v for k, v in value.items() if k != "score"}
         value = value["score"]
     number = _as_number(value)
     if number is None or not math.isfinite(number):
-        raise UserError(f"reward function {name} returned score {value!r} for {where}: return a "
-                        "finite number (or a dict with a finite 'score')")
+        raise UserError(
+            f"reward function {name} returned score {value!r} for {where}: return a "
+            "finite number (or a dict with a finite 'score')"
+        )
     return ScoreResult(number, extras)
 
 

@@ -50,8 +50,9 @@ def verl_extract_solution(solution_str: str, method: str = "strict") -> Optional
     return runs[0]  # every run is ".": verl's loop ends on the first one, which it then returns
 
 
-def compute_score(solution_str: str, ground_truth: Any, method: str = "strict",
-                  format_score: float = 0.0, score: float = 1.0) -> float:
+def compute_score(
+    solution_str: str, ground_truth: Any, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
     """verl's gsm8k.compute_score: `score` if the answer == ground_truth, `format_score` if an
     answer was found but differs, else 0 (as a float, as verl's default_compute_score returns)."""
     answer = verl_extract_solution(solution_str, method)
@@ -79,8 +80,9 @@ def lenient_extract_answer(text: str, method: str = "strict") -> Optional[str]:
     return _clean(found[-1])
 
 
-def lenient_score(solution_str: str, ground_truth: Any, method: str = "strict",
-                  format_score: float = 0.0, score: float = 1.0) -> float:
+def lenient_score(
+    solution_str: str, ground_truth: Any, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
     """Like compute_score, with the lenient reading and a numeric comparison."""
     answer = lenient_extract_answer(solution_str, method)
     if answer is None:

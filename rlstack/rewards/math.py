@@ -42,16 +42,16 @@ def last_boxed(text: str) -> Optional[str]:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i + 1]
+                return text[start : i + 1]
     return None  # never closed
 
 
 def unbox(boxed: str) -> Optional[str]:
     """`\\boxed{x}` -> x, `\\boxed x` -> x; None for anything else (a `\\fbox`, an unclosed box)."""
     if "\\boxed " in boxed:
-        return boxed[len("\\boxed "):] if boxed.startswith("\\boxed ") else None
+        return boxed[len("\\boxed ") :] if boxed.startswith("\\boxed ") else None
     if boxed.startswith("\\boxed{") and boxed.endswith("}") and len(boxed) > len("\\boxed{"):
-        return boxed[len("\\boxed{"):-1]
+        return boxed[len("\\boxed{") : -1]
     return None
 
 
@@ -77,8 +77,18 @@ def is_equiv(a: Any, b: Any) -> bool:
 
 
 # Order matters: each step sees the previous one's output (e.g. `\\\\` is folded before `\\\\%`).
-_REPLACEMENTS_BEFORE_UNITS = (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
-                              ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", ""))
+_REPLACEMENTS_BEFORE_UNITS = (
+    ("\n", ""),
+    ("\\!", ""),
+    ("\\\\", "\\"),
+    ("tfrac", "frac"),
+    ("dfrac", "frac"),
+    ("\\left", ""),
+    ("\\right", ""),
+    ("^{\\circ}", ""),
+    ("^\\circ", ""),
+    ("\\$", ""),
+)
 _REPLACEMENTS_AFTER_UNITS = (("\\\\%", ""), ("\\%", ""), (" .", " 0."), ("{.", "{0."))
 
 

@@ -97,8 +97,9 @@ class RolloutEngine(ABC):
         """Release the engine (kept for the whole run; see the vLLM engine's shutdown note)."""
 
 
-def build_engine(rollout_cfg: RolloutConfig, hf_dir: str, groups: ParallelGroups, eos_token_id: int,
-                 pad_token_id: int) -> RolloutEngine:
+def build_engine(
+    rollout_cfg: RolloutConfig, hf_dir: str, groups: ParallelGroups, eos_token_id: int, pad_token_id: int
+) -> RolloutEngine:
     """The configured engine on this rank. vLLM construction is collective: every rank calls this.
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
@@ -117,10 +118,13 @@ def build_engine(rollout_cfg: RolloutConfig, hf_dir: str, groups: ParallelGroups
         from rlstack.rollout.hf_engine import HFEngine
 
         if rollout_cfg.tp != 1:
-            raise UserError(f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
-                             f"(got {rollout_cfg.tp}) or use rollout.engine=vllm")
-        return HFEngine(hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id,
-                        seed=rollout_seed(rollout_cfg, groups))
+            raise UserError(
+                f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
+                f"(got {rollout_cfg.tp}) or use rollout.engine=vllm"
+            )
+        return HFEngine(
+            hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups)
+        )
     from rlstack.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups))

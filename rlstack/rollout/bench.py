@@ -53,8 +53,13 @@ def bench_generate(opts, hf_dir: str, groups) -> None:
     from rlstack.rollout.base import SamplingParams, build_engine
 
     args = read_model_args(hf_dir)
-    cfg = RolloutConfig(engine=opts.engine, tp=opts.rollout_tp, micro_batch_size=opts.batch,
-                        max_num_seqs=opts.batch, max_model_len=opts.prompt_len + opts.new_tokens)
+    cfg = RolloutConfig(
+        engine=opts.engine,
+        tp=opts.rollout_tp,
+        micro_batch_size=opts.batch,
+        max_num_seqs=opts.batch,
+        max_model_len=opts.prompt_len + opts.new_tokens,
+    )
     start = time.perf_counter()
     # eos = -1: no token ends a row, so every row generates exactly --new-tokens tokens
     engine = build_engine(cfg, hf_dir, groups, eos_token_id=-1, pad_token_id=0)
@@ -67,8 +72,11 @@ def bench_generate(opts, hf_dir: str, groups) -> None:
     for _ in range(opts.repeats):
         engine.generate(prompts, params)
         rates.append(engine.metrics()["rollout/tokens_per_s"])
-    print(f"engine={opts.engine} batch={opts.batch} new_tokens={opts.new_tokens} "
-          f"tokens_per_s={statistics.median(rates):.1f} all={[round(r, 1) for r in rates]}", flush=True)
+    print(
+        f"engine={opts.engine} batch={opts.batch} new_tokens={opts.new_tokens} "
+        f"tokens_per_s={statistics.median(rates):.1f} all={[round(r, 1) for r in rates]}",
+        flush=True,
+    )
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
@@ -105,11 +113,14 @@ def bench_sync(opts, hf_dir: str, groups) -> None:
         engine.load_weights(iter(ready.items()))
         loader = f" loader_only_s={time.perf_counter() - start:.3f}"
         sync.sync()
-    print(f"rank={groups.rank} train=TP{groups.dims.tp}xPP{groups.dims.pp} engine={opts.engine} "
-          f"rollout_tp={opts.rollout_tp} plan_s={plan_s:.3f} sync_s={seconds:.3f} "
-          f"all={[round(r.seconds, 3) for r in runs]} bytes={last.bytes} received={last.bytes_received} "
-          f"peak_extra_bytes={last.peak_extra_bytes} memcpy_floor_s={floor:.3f} "
-          f"ratio={seconds / floor:.1f}{loader}", flush=True)
+    print(
+        f"rank={groups.rank} train=TP{groups.dims.tp}xPP{groups.dims.pp} engine={opts.engine} "
+        f"rollout_tp={opts.rollout_tp} plan_s={plan_s:.3f} sync_s={seconds:.3f} "
+        f"all={[round(r.seconds, 3) for r in runs]} bytes={last.bytes} received={last.bytes_received} "
+        f"peak_extra_bytes={last.peak_extra_bytes} memcpy_floor_s={floor:.3f} "
+        f"ratio={seconds / floor:.1f}{loader}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:

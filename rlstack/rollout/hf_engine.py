@@ -78,7 +78,7 @@ class HFEngine(RolloutEngine):
         results: list[Optional[Generation]] = [None] * len(rows)
         mbs = max(1, self.cfg.micro_batch_size)
         for lo in range(0, len(order), mbs):
-            chunk = order[lo:lo + mbs]
+            chunk = order[lo : lo + mbs]
             for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator)):
                 results[r] = gen
         self._counters.seconds += time.perf_counter() - start
@@ -94,21 +94,28 @@ class HFEngine(RolloutEngine):
         return self._generator
 
     @torch.no_grad()
-    def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams,
-                        generator: torch.Generator) -> list[Generation]:
+    def _generate_batch(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Generation]:
         from transformers import DynamicCache
 
         batch, max_len = len(rows), max(len(p) for _, p in rows)
         input_ids = torch.full((batch, max_len), self.pad_token_id, dtype=torch.long)  # [B, L] left-padded
         mask = torch.zeros((batch, max_len), dtype=torch.long)  # [B, L]
         for b, (_, prompt) in enumerate(rows):
-            input_ids[b, max_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[b, max_len - len(prompt):] = 1
+            input_ids[b, max_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[b, max_len - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]  # [B, V]
         tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long)  # [B, N] on the host
         logprobs = torch.empty((batch, params.max_new_tokens), dtype=torch.float32)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)  # response length per row
@@ -129,21 +136,36 @@ class HFEngine(RolloutEngine):
                 idx = keep.nonzero().squeeze(-1).to(self.device)
                 cache.batch_select_indices(idx)
                 tok, mask, next_pos, active = tok[idx], mask[idx], next_pos[idx], active[keep]
-            logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
-                                past_key_values=cache, use_cache=True).logits[:, -1]  # [b, V]
+            logits = self.model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]  # [b, V]
             next_pos = next_pos + 1
-        return [self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b]))
-                for b in range(batch)]
+        return [
+            self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b])) for b in range(batch)
+        ]
 
     @staticmethod
     def _row_result(row, tokens, logprobs, length: int, stopped: bool) -> Generation:
         prompt_index, prompt = row
-        return Generation(prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=tokens[:length].tolist(),
-                          logprobs=logprobs[:length].tolist(), finish_reason="stop" if stopped else "length")
+        return Generation(
+            prompt_index=prompt_index,
+            prompt_ids=list(prompt),
+            response_ids=tokens[:length].tolist(),
+            logprobs=logprobs[:length].tolist(),
+            finish_reason="stop" if stopped else "length",
+        )
 
     # ------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
         c, self._counters = self._counters, _Counters()
-        return {"rollout/tokens": c.tokens, "rollout/sequences": c.sequences, "rollout/seconds": c.seconds,
-                "rollout/tokens_per_s": c.tokens / c.seconds if c.seconds > 0 else 0.0}
+        return {
+            "rollout/tokens": c.tokens,
+            "rollout/sequences": c.sequences,
+            "rollout/seconds": c.seconds,
+            "rollout/tokens_per_s": c.tokens / c.seconds if c.seconds > 0 else 0.0,
+        }

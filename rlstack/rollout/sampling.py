@@ -29,8 +29,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return scaled
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (float) -> (token ids [B], log-probs [B] of those tokens under logits / temperature)."""
     logits = logits.float()
     if not params.greedy and params.temperature != 1.0:
@@ -40,8 +41,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         tokens = logits.argmax(dim=-1)
     else:
         unfiltered = params.top_k == -1 and params.top_p == 1.0
-        probs = logprobs.exp() if unfiltered else torch.softmax(
-            filter_logits(logits, 1.0, params.top_k, params.top_p), dim=-1)
+        probs = (
+            logprobs.exp()
+            if unfiltered
+            else torch.softmax(filter_logits(logits, 1.0, params.top_k, params.top_p), dim=-1)
+        )
         tokens = _inverse_cdf(probs, generator)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

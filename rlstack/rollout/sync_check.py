@@ -35,7 +35,8 @@ class SyncDivergenceError(RuntimeError):
         super().__init__(
             f"step {step}: rollout engine and actor disagree ({what}): max |log-prob diff| {max_diff:.3e} > "
             f"rollout.verify_sync_tol={tol:g}; the engine is not running the actor's weights "
-            f"(a weight-sync or engine bug, see docs/rollout.md 'Verification')")
+            f"(a weight-sync or engine bug, see docs/rollout.md 'Verification')"
+        )
 
 
 def check_settings(cfg: RolloutConfig) -> None:
@@ -62,12 +63,20 @@ def after_sync(cfg: RolloutConfig, step: int, stats: SyncStats, role, groups, en
         return
     if stats.bytes <= 0:
         raise SyncDivergenceError(step + 1, "the weight sync moved no bytes", float("inf"), cfg.verify_sync_tol)
-    value = verify_engine(role.module, role.args, groups, engine, probe, cfg.verify_sync_tol,
-                          max_new_tokens=min(PROBE_TOKENS, cfg.max_new_tokens))
+    value = verify_engine(
+        role.module,
+        role.args,
+        groups,
+        engine,
+        probe,
+        cfg.verify_sync_tol,
+        max_new_tokens=min(PROBE_TOKENS, cfg.max_new_tokens),
+    )
     stats.verify_max_diff = value
     if not value <= cfg.verify_sync_tol:  # NaN fails too
-        raise SyncDivergenceError(step + 1, f"greedy probe of {len(probe)} prompts after the sync", value,
-                                  cfg.verify_sync_tol)
+        raise SyncDivergenceError(
+            step + 1, f"greedy probe of {len(probe)} prompts after the sync", value, cfg.verify_sync_tol
+        )
 
 
 def check_rollout_diff(cfg: RolloutConfig, step: int, metrics: dict) -> None:

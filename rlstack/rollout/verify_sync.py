@@ -15,8 +15,7 @@ import torch
 log = logging.getLogger("rlstack")
 
 
-def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: float,
-                  max_new_tokens: int = 16) -> float:
+def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: float, max_new_tokens: int = 16) -> float:
     """Largest |engine log-prob - actor log-prob| over the engine's greedy responses to `prompts`,
     reduced over every rank (all ranks call this together and get the same value).
 
@@ -31,13 +30,14 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
     from rlstack.rollout.base import SamplingParams
 
     gens = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=max_new_tokens))
-    every = collectives.all_gather_objects([g.prompt_ids + g.response_ids for g in gens], groups.mp,
-                                           dist.get_world_size(groups.mp))
+    every = collectives.all_gather_objects(
+        [g.prompt_ids + g.response_ids for g in gens], groups.mp, dist.get_world_size(groups.mp)
+    )
     rows = [r for member in every for r in member]
-    offset = sum(len(m) for m in every[:dist.get_group_rank(groups.mp, groups.rank)])
+    offset = sum(len(m) for m in every[: dist.get_group_rank(groups.mp, groups.rank)])
     input_ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)  # [B, S] right-padded
     for b, r in enumerate(rows):
-        input_ids[b, :len(r)] = torch.tensor(r)
+        input_ids[b, : len(r)] = torch.tensor(r)
     was_training = model.training
     logprobs = torch.log_softmax(megatron_logits(model, input_ids, groups, args.vocab_size), dim=-1)  # [B, S, V]
     model.train(was_training)
@@ -49,8 +49,9 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
         worst = torch.maximum(worst, (actor.double() - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max())
     value = collectives.max_floats([float(worst)], groups.world, groups.device)[0]
     if not value <= tol:
-        log.warning("rollout engine and actor disagree after the weight sync: max |logprob diff| %.3e > %.1e",
-                    value, tol)
+        log.warning(
+            "rollout engine and actor disagree after the weight sync: max |logprob diff| %.3e > %.1e", value, tol
+        )
     return value
 
 
@@ -73,8 +74,9 @@ def perturb_weights(model, args, groups, scale: float = 0.5, seed: int = 0) -> i
             if args.tie_word_embeddings and name.endswith("output_layer.weight"):
                 key = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode())
-                                                + (groups.tp_rank * 7919 if sharded else 0))
+            gen = torch.Generator().manual_seed(
+                seed * 1_000_003 + zlib.crc32(key.encode()) + (groups.tp_rank * 7919 if sharded else 0)
+            )
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype)
             std = float(p.float().std()) if p.numel() > 1 else 0.0
             p.add_(noise * (scale * std if std > 0 else 0.1))
@@ -84,8 +86,12 @@ def perturb_weights(model, args, groups, scale: float = 0.5, seed: int = 0) -> i
 
 def add_engine_args(parser) -> None:
     """The verify CLI's rollout-engine flags."""
-    parser.add_argument("--engine", choices=("hf", "vllm"), default=None,
-                        help="also sync the Megatron weights into this rollout engine and compare log-probs")
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default=None,
+        help="also sync the Megatron weights into this rollout engine and compare log-probs",
+    )
     parser.add_argument("--rollout-tp", type=int, default=1, help="rollout engine tensor parallel size")
     parser.add_argument("--sync-bucket-mb", type=int, default=64, help="weight-sync bucket size")
 
@@ -105,8 +111,13 @@ def engine_check(opts, hf_dir: str, groups, model, args, prompts: list[list[int]
 
     eos = read_hf_config(hf_dir).get("eos_token_id", 0)
     eos = eos[0] if isinstance(eos, list) else eos
-    cfg = RolloutConfig(engine=opts.engine, tp=opts.rollout_tp, max_num_seqs=max(8, len(prompts)),
-                        micro_batch_size=len(prompts), sync_bucket_mb=opts.sync_bucket_mb)
+    cfg = RolloutConfig(
+        engine=opts.engine,
+        tp=opts.rollout_tp,
+        max_num_seqs=max(8, len(prompts)),
+        micro_batch_size=len(prompts),
+        sync_bucket_mb=opts.sync_bucket_mb,
+    )
     engine = build_engine(cfg, hf_dir, groups, eos_token_id=eos, pad_token_id=eos)
     perturb_weights(model, args, groups)
     targets = engine.param_targets()
@@ -117,6 +128,10 @@ def engine_check(opts, hf_dir: str, groups, model, args, prompts: list[list[int]
     stats = WeightSync(model, args, groups, engine, bucket_mb=opts.sync_bucket_mb).sync()
     assert stats.bytes > 0, "the weight sync moved no bytes"
     if groups.rank == 0:
-        print(f"sync seconds={stats.seconds:.3f} bytes={stats.bytes} received={stats.bytes_received} "
-              f"peak_extra_bytes={stats.peak_extra_bytes}", file=sys.stderr, flush=True)
+        print(
+            f"sync seconds={stats.seconds:.3f} bytes={stats.bytes} received={stats.bytes_received} "
+            f"peak_extra_bytes={stats.peak_extra_bytes}",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"max_abs_logprob_diff": verify_engine(model, args, groups, engine, prompts, opts.tol)}

@@ -39,8 +39,16 @@ _CPU_KV_CACHE_MIN = 32 << 20
 class VLLMEngine(RolloutEngine):
     kind = "vllm"
 
-    def __init__(self, hf_dir: str, rollout_cfg, groups, eos_token_id: int, pad_token_id: int, seed: int = 0,
-                 max_prompt_len: int = 0):
+    def __init__(
+        self,
+        hf_dir: str,
+        rollout_cfg,
+        groups,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int = 0,
+        max_prompt_len: int = 0,
+    ):
         self.cfg = rollout_cfg
         self.hf_dir = hf_dir
         self.on_gpu = torch.cuda.is_available()
@@ -92,17 +100,25 @@ class VLLMEngine(RolloutEngine):
         params.validate()
         greedy = params.greedy
         vparams = VSamplingParams(
-            n=params.n, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+            n=params.n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 = off
-            max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,
+            detokenize=False,
             # Stop on our eos only (as the hf engine does), not on generation_config.json's eos list.
-            ignore_eos=True, stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
+            ignore_eos=True,
+            stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
         )
         start = time.perf_counter()
         with self._sampling_rng(None if greedy else params.seed):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
-        gens = [_to_generation(i, prompts[i], c) for i, out in enumerate(outputs)
-                for c in sorted(out.outputs, key=lambda c: c.index)]
+        gens = [
+            _to_generation(i, prompts[i], c)
+            for i, out in enumerate(outputs)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
         self._counters["seconds"] += time.perf_counter() - start
         self._counters["sequences"] += len(gens)
         self._counters["tokens"] += sum(len(g.response_ids) for g in gens)
@@ -133,8 +149,12 @@ class VLLMEngine(RolloutEngine):
 
     def metrics(self) -> dict:
         c, self._counters = self._counters, {"tokens": 0, "sequences": 0, "seconds": 0.0}
-        return {"rollout/tokens": c["tokens"], "rollout/sequences": c["sequences"], "rollout/seconds": c["seconds"],
-                "rollout/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] > 0 else 0.0}
+        return {
+            "rollout/tokens": c["tokens"],
+            "rollout/sequences": c["sequences"],
+            "rollout/seconds": c["seconds"],
+            "rollout/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] > 0 else 0.0,
+        }
 
     def close(self) -> None:
         if not self._closed:
@@ -182,8 +202,9 @@ def _to_generation(prompt_index: int, prompt: list[int], completion) -> Generati
     tokens = list(completion.token_ids)
     logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
     reason = "stop" if completion.finish_reason == "stop" else "length"
-    return Generation(prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=tokens, logprobs=logprobs,
-                      finish_reason=reason)
+    return Generation(
+        prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=tokens, logprobs=logprobs, finish_reason=reason
+    )
 
 
 def hf_checkpoint_shapes(hf_dir: str) -> dict[str, tuple[int, ...]]:
@@ -198,6 +219,7 @@ def hf_checkpoint_shapes(hf_dir: str) -> dict[str, tuple[int, ...]]:
 
 # ---------------------------------------------------------------------- start-up
 
+
 def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, groups):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cfg.tp > 1:
@@ -207,8 +229,13 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
     _patch_shutdown()
     max_model_len = _max_model_len(hf_dir, cfg, max_prompt_len)
     kwargs = dict(
-        model=hf_dir, tokenizer=hf_dir, seed=seed, tensor_parallel_size=cfg.tp,
-        max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+        model=hf_dir,
+        tokenizer=hf_dir,
+        seed=seed,
+        tensor_parallel_size=cfg.tp,
+        max_model_len=max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
         logprobs_mode="processed_logprobs",  # after temperature (and top-k/top-p): see rollout/base.py
         dtype="float32" if not on_gpu else "auto",
     )
@@ -258,7 +285,8 @@ def _external_launcher_env(groups, tp: int, on_gpu: bool) -> None:
         cores = sorted(os.sched_getaffinity(0))
         per = max(1, len(cores) // tp)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(str(c) for c in (cores[i * per:(i + 1) * per] or cores[-1:])) for i in range(tp))
+            ",".join(str(c) for c in (cores[i * per : (i + 1) * per] or cores[-1:])) for i in range(tp)
+        )
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 

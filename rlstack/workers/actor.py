@@ -15,8 +15,9 @@ from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_paral
 from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
 
 
-def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False,
-                   temperature: float = 1.0):
+def token_logprobs(
+    role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0
+):
     """logits [b, S, V/tp] of a micro-batch -> token-aligned logprob [b, S] (+ entropy [b, S]).
 
     Log-probs are of the distribution the rollout sampled from (logits / temperature), as in verl,
@@ -25,20 +26,23 @@ def token_logprobs(role: MegatronRole, mb: dict, logits: torch.Tensor, with_entr
     g = role.groups
     if temperature != 1.0:
         logits = logits.float() / temperature
-    out = vocab_parallel_logprobs(logits, shift_targets(mb["tokens"]), role.args.vocab_size, g.tp,
-                                  g.tp_rank, g.dims.tp, with_entropy=with_entropy)
+    out = vocab_parallel_logprobs(
+        logits, shift_targets(mb["tokens"]), role.args.vocab_size, g.tp, g.tp_rank, g.dims.tp, with_entropy=with_entropy
+    )
     if with_entropy:
         return align_to_tokens(out[0]), align_to_tokens(out[1])
     return align_to_tokens(out)
 
 
-def compute_logprobs(role: MegatronRole, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0
-                     ) -> torch.Tensor:
+def compute_logprobs(
+    role: MegatronRole, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """Forward-only log-probs [B, S] of `rollout`'s tokens, on every pipeline stage."""
 
     def loss_fn(mb, logits):
-        return torch.zeros((), device=logits.device), {"logprob": token_logprobs(role, mb, logits,
-                                                                                 temperature=temperature)}
+        return torch.zeros((), device=logits.device), {
+            "logprob": token_logprobs(role, mb, logits, temperature=temperature)
+        }
 
     inputs = rollout.tensors("tokens", "position_ids")
     stats = role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
@@ -56,8 +60,9 @@ class Actor:
         self.algo = algo
         self.temperature = temperature
 
-    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float,
-               forward_only: bool = False) -> dict:
+    def update(
+        self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float, forward_only: bool = False
+    ) -> dict:
         """One optimizer step on a mini-batch (or, with forward_only, the same maths with no step).
 
         `counts` are the mini-batch's global token/sequence counts (all DP ranks), `scale` is
@@ -75,13 +80,27 @@ class Actor:
             logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True, temperature=self.temperature)
             mask = mb["resp_mask"]
             old = logprob.detach() if on_policy else mb["old_logprob"]
-            pg, pg_stats = compute_policy_loss(a.policy_loss, old, logprob, mb["advantages"], mask, a.clip_ratio_low,
-                                               a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **counts)
+            pg, pg_stats = compute_policy_loss(
+                a.policy_loss,
+                old,
+                logprob,
+                mb["advantages"],
+                mask,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+                a.loss_agg_mode,
+                **counts,
+            )
             loss = pg
             ntok = mask.sum()
-            stats = {"actor/pg_loss": pg.detach(), "actor/entropy_sum": (entropy.detach() * mask).sum(),
-                     "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok, "actor/tokens": ntok,
-                     "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok}
+            stats = {
+                "actor/pg_loss": pg.detach(),
+                "actor/entropy_sum": (entropy.detach() * mask).sum(),
+                "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok,
+                "actor/tokens": ntok,
+                "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok,
+            }
             if on_policy:
                 diff = (logprob.detach() - mb["rollout_logprob"]).abs() * mask
                 stats["actor/rollout_diff_sum"] = diff.sum()

@@ -11,8 +11,9 @@ import torch
 from rlstack import collectives
 
 
-def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, multiple_of: int,
-               device) -> dict[str, torch.Tensor]:
+def make_batch(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, multiple_of: int, device
+) -> dict[str, torch.Tensor]:
     """Right-padded `tokens`/`position_ids`/`resp_mask` [B', S] with B' rounded up to `multiple_of`.
 
     Right padding keeps every real token at its natural position, so the causal mask alone is
@@ -27,7 +28,7 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     resp_mask = torch.zeros((rows, seq_len), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        resp_mask[i, len(p): len(p) + len(r)] = 1.0
+        resp_mask[i, len(p) : len(p) + len(r)] = 1.0
     position_ids = torch.arange(seq_len).unsqueeze(0).expand(rows, -1).contiguous()
     batch = {"tokens": tokens, "position_ids": position_ids, "resp_mask": resp_mask}
     return {k: v.to(device) for k, v in batch.items()}
@@ -37,7 +38,7 @@ def split_for_rank(items: list, rank: int, size: int) -> list:
     """Contiguous share `rank` of `size` (sizes differ by at most one)."""
     per, extra = divmod(len(items), size)
     start = rank * per + min(rank, extra)
-    return items[start: start + per + (1 if rank < extra else 0)]
+    return items[start : start + per + (1 if rank < extra else 0)]
 
 
 def gather_objects(local: list, group, size: int) -> list:
@@ -73,24 +74,53 @@ class Rollout:
     advantages: Optional[torch.Tensor] = None  # [B', S]
     returns: Optional[torch.Tensor] = None  # [B', S]
 
-    _ROW_FIELDS = ("tokens", "position_ids", "resp_mask", "scores", "group_ids", "rollout_logprob", "old_logprob",
-                   "ref_logprob", "old_values", "advantages", "returns")
+    _ROW_FIELDS = (
+        "tokens",
+        "position_ids",
+        "resp_mask",
+        "scores",
+        "group_ids",
+        "rollout_logprob",
+        "old_logprob",
+        "ref_logprob",
+        "old_values",
+        "advantages",
+        "returns",
+    )
 
     @classmethod
-    def build(cls, prompt_ids: list, response_ids: list, logprobs: list, scores: list, group_ids: list,
-              pad_id: int, micro_batch_size: int, device, on_policy: bool) -> Rollout:
+    def build(
+        cls,
+        prompt_ids: list,
+        response_ids: list,
+        logprobs: list,
+        scores: list,
+        group_ids: list,
+        pad_id: int,
+        micro_batch_size: int,
+        device,
+        on_policy: bool,
+    ) -> Rollout:
         """Padded tensors from per-sample lists (prompt ids, response ids, engine log-probs, score, group)."""
         t = make_batch(prompt_ids, response_ids, pad_id, micro_batch_size, device)
         rows = t["tokens"].shape[0]
         rollout_lp = torch.zeros_like(t["resp_mask"])
         for row, (p, r, lps) in enumerate(zip(prompt_ids, response_ids, logprobs)):
-            rollout_lp[row, len(p):len(p) + len(r)] = torch.tensor(lps, dtype=torch.float32)
+            rollout_lp[row, len(p) : len(p) + len(r)] = torch.tensor(lps, dtype=torch.float32)
         score_t = torch.zeros(rows, dtype=torch.float32, device=device)
-        score_t[:len(scores)] = torch.tensor(scores, dtype=torch.float32)
+        score_t[: len(scores)] = torch.tensor(scores, dtype=torch.float32)
         groups = torch.tensor(list(group_ids) + [-1] * (rows - len(group_ids)), dtype=torch.long, device=device)
-        return cls(tokens=t["tokens"], position_ids=t["position_ids"], resp_mask=t["resp_mask"], scores=score_t,
-                   group_ids=groups, rollout_logprob=rollout_lp, num_sequences=len(prompt_ids),
-                   num_tokens=sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)), on_policy=on_policy)
+        return cls(
+            tokens=t["tokens"],
+            position_ids=t["position_ids"],
+            resp_mask=t["resp_mask"],
+            scores=score_t,
+            group_ids=groups,
+            rollout_logprob=rollout_lp,
+            num_sequences=len(prompt_ids),
+            num_tokens=sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)),
+            on_policy=on_policy,
+        )
 
     @property
     def rows(self) -> int:
@@ -109,8 +139,11 @@ class Rollout:
     def mini_batches(self, mini_batch_size: int, dp: int, micro_batch_size: int) -> list[Rollout]:
         """This rank's mini-batches: global `mini_batch_size` / dp rows each, a multiple of the micro-batch."""
         size = self.rows
-        local = size if mini_batch_size <= 0 else max(micro_batch_size, (mini_batch_size // dp) // micro_batch_size
-                                                      * micro_batch_size)
+        local = (
+            size
+            if mini_batch_size <= 0
+            else max(micro_batch_size, (mini_batch_size // dp) // micro_batch_size * micro_batch_size)
+        )
         return [self.rows_slice(i, i + local) for i in range(0, size, local)]
 
 

@@ -30,20 +30,26 @@ class Critic:
         out = cat_stats(stats, "values") if self.role.groups.is_last_stage else None
         return self.role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
-    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float,
-               forward_only: bool = False) -> dict:
+    def update(
+        self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float, forward_only: bool = False
+    ) -> dict:
         a = self.algo
 
         def loss_fn(mb, output):
             values = _values(output)
-            loss, stats = value_loss(values, mb["old_values"], mb["returns"], mb["resp_mask"], a.value_clip,
-                                     a.loss_agg_mode, **counts)
+            loss, stats = value_loss(
+                values, mb["old_values"], mb["returns"], mb["resp_mask"], a.value_clip, a.loss_agg_mode, **counts
+            )
             ntok = mb["resp_mask"].sum()
-            return loss * scale, {"critic/loss": loss.detach(), "critic/clipfrac_sum": stats["clip_frac"] * ntok,
-                                  "critic/tokens": ntok}
+            return loss * scale, {
+                "critic/loss": loss.detach(),
+                "critic/clipfrac_sum": stats["clip_frac"] * ntok,
+                "critic/tokens": ntok,
+            }
 
-        mbs = split_micro_batches(mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns"),
-                                  micro_batch_size)
+        mbs = split_micro_batches(
+            mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns"), micro_batch_size
+        )
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         stats, grad_norm = self.role.train_step(mbs, loss_fn)

@@ -10,8 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_group,
-                            tp_rank: int, tp_size: int, with_entropy: bool = False):
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_group,
+    tp_rank: int,
+    tp_size: int,
+    with_entropy: bool = False,
+):
     """logits [B, S, V/tp] (this rank's vocab slice), targets [B, S] -> logprob [B, S] (+ entropy [B, S]).
 
     logprob[b, t] = log p(targets[b, t] | logits[b, t]); entropy of the same distribution.

@@ -59,11 +59,19 @@ class LRSchedule:
         warmup = max(0, int(settings.lr_warmup_steps))
         min_lr = settings.lr * settings.min_lr_ratio if settings.lr_schedule == "cosine" else settings.lr
         self.scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=min_lr, lr_warmup_steps=warmup,
+            optimizer,
+            init_lr=0.0,
+            max_lr=settings.lr,
+            min_lr=min_lr,
+            lr_warmup_steps=warmup,
             # megatron asserts warmup < decay steps; a warm-up as long as the run never decays.
-            lr_decay_steps=max(int(settings.total_steps), warmup + 1), lr_decay_style=settings.lr_schedule,
-            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            lr_decay_steps=max(int(settings.total_steps), warmup + 1),
+            lr_decay_style=settings.lr_schedule,
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
             override_opt_param_scheduler=True,
         )
 
@@ -92,13 +100,22 @@ class LRSchedule:
 class MegatronRole:
     """A (possibly DDP-wrapped) GPTModel stage plus its optimizer."""
 
-    def __init__(self, hf_dir: str, groups: ParallelGroups, dtype: torch.dtype, value_head: bool = False,
-                 optim: Optional[OptimSettings] = None, recompute: bool = False, value_head_seed: int = 0):
+    def __init__(
+        self,
+        hf_dir: str,
+        groups: ParallelGroups,
+        dtype: torch.dtype,
+        value_head: bool = False,
+        optim: Optional[OptimSettings] = None,
+        recompute: bool = False,
+        value_head_seed: int = 0,
+    ):
         from megatron_bridge.hf import build_megatron_from_hf
 
         self.groups = groups
-        model, self.args = build_megatron_from_hf(hf_dir, groups, dtype=dtype, value_head=value_head,
-                                                  recompute=recompute, value_head_seed=value_head_seed)
+        model, self.args = build_megatron_from_hf(
+            hf_dir, groups, dtype=dtype, value_head=value_head, recompute=recompute, value_head_seed=value_head_seed
+        )
         self.config = model.config
         self.optimizer = None
         self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step
@@ -127,9 +144,13 @@ class MegatronRole:
         tokens = micro_batches[0]["tokens"]
         with torch.no_grad() if forward_only else _nullcontext():
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=tokens.shape[1],
-                micro_batch_size=tokens.shape[0], forward_only=forward_only,
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=tokens.shape[1],
+                micro_batch_size=tokens.shape[0],
+                forward_only=forward_only,
             )
 
     def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> tuple[list[dict], float]:
@@ -176,7 +197,8 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -185,9 +207,17 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     min_lr = optim.lr * optim.min_lr_ratio if optim.lr_schedule == "cosine" else optim.lr
     opt_config = OptimizerConfig(
         # lr / min_lr become each parameter group's max_lr / min_lr, which the scheduler reads.
-        optimizer=optim.optimizer, lr=optim.lr, min_lr=min_lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
-        bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
@@ -199,7 +229,7 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
     """Split [B, ...] tensors into micro-batches of equal size (B must divide; callers pad)."""
     size = next(iter(batch.values())).shape[0]
     assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
-    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
 def cat_stats(stats: list[dict], key: str) -> Optional[torch.Tensor]:

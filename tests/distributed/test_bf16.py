@@ -22,8 +22,11 @@ def _bf16_step(hf_dir: str, tp: int, use_dist_opt: bool) -> dict:
     before = {n: p.detach().clone() for n, p in role.module.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, role.args.vocab_size, (4, 16), generator=gen)
-    batch = {"tokens": tokens, "position_ids": torch.arange(16).expand(4, -1).contiguous(),
-             "resp_mask": torch.ones(4, 16)}
+    batch = {
+        "tokens": tokens,
+        "position_ids": torch.arange(16).expand(4, -1).contiguous(),
+        "resp_mask": torch.ones(4, 16),
+    }
 
     def loss_fn(mb, logits):
         lp = token_logprobs(role, mb, logits)  # fp32 log-probs from bf16 logits
@@ -38,16 +41,22 @@ def _bf16_step(hf_dir: str, tp: int, use_dist_opt: bool) -> dict:
         "main_dtypes": sorted({str(p.dtype) for p in main}),
         "grad_dtypes": sorted({str(p.main_grad.dtype) for p in role.module.parameters()}),
         "optimizers": sorted({type(o).__name__ for o in opts}),
-        "moved": max((p.detach().float() - before[n].float()).abs().max().item()
-                     for n, p in role.module.named_parameters()),
-        "grad_norm": grad_norm, "loss": float(stats[0]["loss"]), "lp_dtype": stats[0]["lp_dtype"],
+        "moved": max(
+            (p.detach().float() - before[n].float()).abs().max().item() for n, p in role.module.named_parameters()
+        ),
+        "grad_norm": grad_norm,
+        "loss": float(stats[0]["loss"]),
+        "lp_dtype": stats[0]["lp_dtype"],
     }
 
 
-@pytest.mark.parametrize("tp,use_dist_opt,optimizer", [
-    (1, False, "Float16OptimizerWithFloat16Params"),
-    (2, True, "DistributedOptimizer"),
-])
+@pytest.mark.parametrize(
+    "tp,use_dist_opt,optimizer",
+    [
+        (1, False, "Float16OptimizerWithFloat16Params"),
+        (2, True, "DistributedOptimizer"),
+    ],
+)
 def test_bf16_mixed_precision_path(tiny_llama, tp, use_dist_opt, optimizer):
     r = run_distributed(_bf16_step, tp, tiny_llama, tp, use_dist_opt)[0]
     assert r["param_dtypes"] == ["torch.bfloat16"], r  # norms too: the first sync needs one dtype

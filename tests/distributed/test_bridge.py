@@ -121,7 +121,10 @@ def _assert_transformers_loads_cleanly(out_dir, src_dir):
     _, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     text = "What is 12 plus 30?"
-    assert AutoTokenizer.from_pretrained(out_dir)(text)["input_ids"] == AutoTokenizer.from_pretrained(src_dir)(text)["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(out_dir)(text)["input_ids"]
+        == AutoTokenizer.from_pretrained(src_dir)(text)["input_ids"]
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -136,9 +139,19 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tiny_cache, tmp_path):
 
 
 def _convert(*flags):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "megatron_bridge.convert", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge.convert", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -156,6 +169,7 @@ def test_convert_cli_round_trip_through_dist_checkpoint(tiny_cache, tmp_path):
 
 
 # ---------------------------------------------------------------- errors (no process group)
+
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from megatron_bridge.hf import read_model_args
@@ -197,8 +211,11 @@ def test_shape_mismatch_names_tensor_and_both_shapes(tiny_llama, tmp_path):
     from megatron_bridge.hf import SafetensorsReader, check_hf_tensors, read_model_args
 
     broken = _edited_copy(tiny_llama, str(tmp_path / "broken"), config={"intermediate_size": 512})
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight: checkpoint \[256, 128\], "
-                                         r"config.json implies \[512, 128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.mlp.gate_proj.weight: checkpoint \[256, 128\], "
+        r"config.json implies \[512, 128\]",
+    ):
         check_hf_tensors(SafetensorsReader(broken), read_model_args(broken))
 
 
@@ -215,8 +232,10 @@ def test_unused_tensors_are_rejected(tiny_llama, tmp_path):
         check_hf_tensors(SafetensorsReader(broken), read_model_args(broken))
 
 
-@pytest.mark.parametrize("tp, message", [(3, "does not divide the model's 4 attention heads"),
-                                          (4, "does not divide the model's 2 key/value heads")])
+@pytest.mark.parametrize(
+    "tp, message",
+    [(3, "does not divide the model's 4 attention heads"), (4, "does not divide the model's 2 key/value heads")],
+)
 def test_tp_must_divide_heads_and_query_groups(tiny_llama, tp, message):
     from megatron_bridge.hf import check_layout, read_model_args
     from megatron_bridge.parallel import ParallelDims
@@ -241,8 +260,14 @@ def test_sentencepiece_tokenizer_is_used_and_exported(tiny_llama, tmp_path):
         shutil.copyfile(os.path.join(tiny_llama, name), os.path.join(src, name))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(_corpus() * 3))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=os.path.join(src, "tokenizer"), vocab_size=120,
-                                   model_type="bpe", hard_vocab_limit=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=os.path.join(src, "tokenizer"),
+        vocab_size=120,
+        model_type="bpe",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     os.remove(os.path.join(src, "tokenizer.vocab"))
     json.dump({"tokenizer_class": "LlamaTokenizer"}, open(os.path.join(src, "tokenizer_config.json"), "w"))
     args = read_model_args(src)
@@ -251,4 +276,6 @@ def test_sentencepiece_tokenizer_is_used_and_exported(tiny_llama, tmp_path):
     out = save_hf(load_file(os.path.join(src, "model.safetensors")), args, str(tmp_path / "out"), src)
     assert os.path.isfile(os.path.join(out, "tokenizer.model"))
     text = "What is 12 plus 30?"
-    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(out)(text)["input_ids"] == AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+    )

@@ -59,8 +59,11 @@ def test_truncated_checkpoint_is_refused(tmp_path):
     path = _fake_checkpoint(str(tmp_path), 3)
     with open(os.path.join(path, "actor", "__0_0.distcp"), "r+b") as f:
         f.truncate(40)
-    with pytest.raises(CheckpointError, match=r"is truncated: actor/__0_0.distcp has 40 bytes, the completion "
-                                              r"marker records 100"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"is truncated: actor/__0_0.distcp has 40 bytes, the completion "
+        r"marker records 100",
+    ):
         verify_checkpoint(path)
 
 
@@ -161,9 +164,11 @@ class _Fake:
     def parts(self):
         from rlstack.checkpoint import CheckpointParts
 
-        return CheckpointParts(roles={"actor": self.actor.role, "critic": self.critic.role},
-                               states={"trainer": self, "sampler": self.sampler, "kl_ctrl": self.kl_ctrl},
-                               sources={"actor": self.hf_dir, "critic": self.hf_dir})
+        return CheckpointParts(
+            roles={"actor": self.actor.role, "critic": self.critic.role},
+            states={"trainer": self, "sampler": self.sampler, "kl_ctrl": self.kl_ctrl},
+            sources={"actor": self.hf_dir, "critic": self.hf_dir},
+        )
 
 
 def _trainer(hf_dir, groups, dist_opt=False, seed=0):
@@ -176,8 +181,13 @@ def _trainer(hf_dir, groups, dist_opt=False, seed=0):
     optim = OptimSettings(lr=1e-2, use_distributed_optimizer=dist_opt)
     actor = MegatronRole(hf_dir, groups, torch.float32, optim=optim)
     critic = MegatronRole(hf_dir, groups, torch.float32, value_head=True, optim=optim, value_head_seed=seed)
-    return _Fake(actor, critic, PromptSampler(64, 8, seed=0, dp_rank=groups.dp_rank, dp_size=groups.dims.dp),
-                 build_kl_controller("adaptive", 0.05, 0.1, 100), hf_dir)
+    return _Fake(
+        actor,
+        critic,
+        PromptSampler(64, 8, seed=0, dp_rank=groups.dp_rank, dp_size=groups.dims.dp),
+        build_kl_controller("adaptive", 0.05, 0.1, 100),
+        hf_dir,
+    )
 
 
 def _train_step(trainer, groups):
@@ -351,8 +361,9 @@ def tp1_checkpoint(tiny_llama, tmp_path_factory):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["to-tp2", "to-pp2"])
 def test_tp1_checkpoint_loads_at_new_layout(tiny_llama, tp1_checkpoint, tmp_path, tp, pp):
-    differ = run_distributed(_resume_resave_compare, 2, tiny_llama, tp1_checkpoint, str(tmp_path), tp, pp,
-                             timeout=240)[0]
+    differ = run_distributed(_resume_resave_compare, 2, tiny_llama, tp1_checkpoint, str(tmp_path), tp, pp, timeout=240)[
+        0
+    ]
     assert differ == [], f"tensors changed by the reshard: {differ}"
 
 
@@ -379,7 +390,7 @@ def _train_save_forward(hf_dir, out_dir):
         values = trainer.critic.role.module(tokens, positions, None)  # [B, S, 1]
     shards = [torch.empty_like(shard) for _ in range(groups.dims.tp)]
     dist.all_gather(shards, shard.contiguous(), group=groups.tp)
-    logits = torch.cat(shards, dim=-1)[..., :trainer.actor.role.args.vocab_size]
+    logits = torch.cat(shards, dim=-1)[..., : trainer.actor.role.args.vocab_size]
     return path, tokens, logits, values
 
 
@@ -390,13 +401,18 @@ def test_export_matches_trained_models(tiny_llama, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    path, tokens, logits, values = run_distributed(_train_save_forward, 2, tiny_llama, str(tmp_path),
-                                                   timeout=240)[0]
+    path, tokens, logits, values = run_distributed(_train_save_forward, 2, tiny_llama, str(tmp_path), timeout=240)[0]
     out = os.path.join(str(tmp_path), "hf_actor")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "rlstack.export", "--ckpt", os.path.dirname(path), "--out", out,
-                           "--critic"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlstack.export", "--ckpt", os.path.dirname(path), "--out", out, "--critic"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"actor: {out}" in done.stdout and f"critic: {out}-critic" in done.stdout
 
@@ -409,5 +425,6 @@ def test_export_matches_trained_models(tiny_llama, tmp_path):
         hf_values = critic.eval()(tokens).logits  # [B, S, 1]
     assert (hf_logits - logits).abs().max() < 1e-4
     assert (hf_values - values).abs().max() < 1e-4
-    assert (logits - AutoModelForCausalLM.from_pretrained(tiny_llama)(tokens).logits).abs().max() > 1e-3, \
+    assert (logits - AutoModelForCausalLM.from_pretrained(tiny_llama)(tokens).logits).abs().max() > 1e-3, (
         "training changed the actor, so the comparison is not against the starting weights"
+    )

@@ -39,12 +39,15 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     from rlstack.workers.megatron_role import MegatronRole, OptimSettings, split_micro_batches
 
     g = init_distributed(tp, pp)
-    role = MegatronRole(hf_dir, g, torch.float32,
-                        optim=OptimSettings(clip_grad=0.0, use_distributed_optimizer=use_dist_opt,
-                                            **OPTIMIZERS[optimizer]))
+    role = MegatronRole(
+        hf_dir,
+        g,
+        torch.float32,
+        optim=OptimSettings(clip_grad=0.0, use_distributed_optimizer=use_dist_opt, **OPTIMIZERS[optimizer]),
+    )
     full = _batch(role.args.vocab_size)
     per_dp = BATCH // g.dims.dp
-    local = {k: v[g.dp_rank * per_dp:(g.dp_rank + 1) * per_dp] for k, v in full.items()}
+    local = {k: v[g.dp_rank * per_dp : (g.dp_rank + 1) * per_dp] for k, v in full.items()}
     total_tokens = sum_floats([float(local["resp_mask"].sum())], g.dp, g.device)[0]
     micro = split_micro_batches(local, MICRO)
     scale = len(micro) * g.dims.dp

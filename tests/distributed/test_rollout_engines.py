@@ -21,6 +21,7 @@ needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason=
 
 # ---------------------------------------------------------------------- sampling (pure)
 
+
 def test_filter_logits_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(filter_logits(logits, 1.0, 2, 1.0)[0, 2:]).all()
@@ -46,22 +47,31 @@ def test_sampler_draws_from_the_filtered_distribution():
     gen = torch.Generator().manual_seed(0)
     probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
     logits = torch.log(probs).expand(200_000, 6).contiguous()
-    for params, want in ((SamplingParams(), probs), (SamplingParams(top_k=2), torch.tensor([0, 0, 0, 3 / 7, 4 / 7, 0])),
-                         (SamplingParams(temperature=0.5), probs ** 2 / (probs ** 2).sum())):
+    for params, want in (
+        (SamplingParams(), probs),
+        (SamplingParams(top_k=2), torch.tensor([0, 0, 0, 3 / 7, 4 / 7, 0])),
+        (SamplingParams(temperature=0.5), probs**2 / (probs**2).sum()),
+    ):
         tokens, _ = sample_next(logits, params, gen)
         freq = torch.bincount(tokens, minlength=6).double() / tokens.numel()
         torch.testing.assert_close(freq, want.double(), rtol=0, atol=0.005)
 
 
 def test_sampling_params_validation():
-    for bad in (SamplingParams(n=0), SamplingParams(temperature=0.0), SamplingParams(top_p=0.0),
-                SamplingParams(top_k=0), SamplingParams(max_new_tokens=0)):
+    for bad in (
+        SamplingParams(n=0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_k=0),
+        SamplingParams(max_new_tokens=0),
+    ):
         with pytest.raises(ValueError):
             bad.validate()
     SamplingParams(temperature=0.0, greedy=True).validate()
 
 
 # ---------------------------------------------------------------------- rollout.verify_sync (pure)
+
 
 def test_sync_check_schedule_and_bounds():
     from rlstack.errors import UserError
@@ -94,11 +104,13 @@ def test_sync_check_schedule_and_bounds():
 
 # ---------------------------------------------------------------------- hf engine (one process)
 
+
 def _hf_engine(hf_dir, eos=2, seed=0, micro_batch_size=3):
     from rlstack.rollout.hf_engine import HFEngine
 
-    return HFEngine(hf_dir, RolloutConfig(micro_batch_size=micro_batch_size), "cpu", eos_token_id=eos,
-                    pad_token_id=2, seed=seed)
+    return HFEngine(
+        hf_dir, RolloutConfig(micro_batch_size=micro_batch_size), "cpu", eos_token_id=eos, pad_token_id=2, seed=seed
+    )
 
 
 def _reference_logprobs(model, g: Generation, temperature: float = 1.0) -> torch.Tensor:
@@ -106,7 +118,7 @@ def _reference_logprobs(model, g: Generation, temperature: float = 1.0) -> torch
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)  # [S, V]
     start = len(g.prompt_ids) - 1
-    return lp[start:start + len(g.response_ids)].gather(-1, torch.tensor(g.response_ids)[:, None])[:, 0]
+    return lp[start : start + len(g.response_ids)].gather(-1, torch.tensor(g.response_ids)[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
@@ -115,9 +127,10 @@ def test_hf_engine_greedy_matches_transformers(request, ckpt):
     gens = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=10))
     assert [g.prompt_index for g in gens] == list(range(len(PROMPTS)))
     for g in gens:  # left padding + batching changes nothing: each row matches its own unpadded run
-        ref = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=10, do_sample=False,
-                                    eos_token_id=2, pad_token_id=2)[0, len(g.prompt_ids):].tolist()
-        assert g.response_ids == ref[:len(g.response_ids)]
+        ref = engine.model.generate(
+            torch.tensor([g.prompt_ids]), max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=2
+        )[0, len(g.prompt_ids) :].tolist()
+        assert g.response_ids == ref[: len(g.response_ids)]
         torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g), rtol=0, atol=TOL)
     m = engine.metrics()
     assert m["rollout/tokens"] == sum(len(g.response_ids) for g in gens) and m["rollout/tokens_per_s"] > 0
@@ -147,8 +160,9 @@ def test_hf_engine_samples_prompt_major_and_reproducibly(tiny_qwen2):
     d = _hf_engine(tiny_qwen2, seed=8).generate(PROMPTS, params)
     assert [g.response_ids for g in a] != [g.response_ids for g in d]
     for g in a:  # log-probs of softmax(logits / 0.9), before top-p
-        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g, 0.9), rtol=0,
-                                   atol=TOL)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), _reference_logprobs(engine.model, g, 0.9), rtol=0, atol=TOL
+        )
 
 
 def test_hf_engine_load_weights_validates(tiny_qwen2):
@@ -160,6 +174,7 @@ def test_hf_engine_load_weights_validates(tiny_qwen2):
 
 
 # ---------------------------------------------------------------------- engines on gloo ranks
+
 
 def _engines_in_world(hf_dir, kinds):
     import torch.distributed as dist
@@ -174,8 +189,13 @@ def _engines_in_world(hf_dir, kinds):
     out = {k: e.generate(PROMPTS, greedy) for k, e in engines.items()}
     sampled = {k: e.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8)) for k, e in engines.items()}
     hot = SamplingParams(n=2, temperature=0.7, max_new_tokens=6)  # log-probs of softmax(logits / 0.7)
-    tempered = {k: max((_reference_logprobs(engines["hf"].model, g, 0.7) - torch.tensor(g.logprobs)).abs().max().item()
-                       for g in e.generate(PROMPTS, hot)) for k, e in engines.items()}
+    tempered = {
+        k: max(
+            (_reference_logprobs(engines["hf"].model, g, 0.7) - torch.tensor(g.logprobs)).abs().max().item()
+            for g in e.generate(PROMPTS, hot)
+        )
+        for k, e in engines.items()
+    }
     for e in engines.values():
         e.close()
     alive = torch.ones(1)
@@ -200,6 +220,7 @@ def test_engines_inside_a_training_world(tiny_llama, kinds):
 
 
 # ---------------------------------------------------------------------- vLLM takes new weights (tied and untied)
+
 
 def _perturbed_state(model) -> dict:
     """Every HF tensor moved by seeded noise (a tied LM head is listed once, as embed_tokens)."""

@@ -14,8 +14,9 @@ def _trainer(overrides: list[str], out_dir: str, cache: str):
     from rlstack.config import load_config
     from rlstack.trainer import build_trainer
 
-    cfg = load_config(CONFIG, [f"trainer.output_dir={out_dir}", f"model.cache_dir={cache}",
-                               "logging.progress=false", *overrides])
+    cfg = load_config(
+        CONFIG, [f"trainer.output_dir={out_dir}", f"model.cache_dir={cache}", "logging.progress=false", *overrides]
+    )
     return cfg, build_trainer(cfg, _groups(cfg))
 
 
@@ -104,8 +105,17 @@ class _ScriptedEngine:
         from rlstack.rollout.base import Generation
 
         self.calls += 1
-        return [Generation(prompt_index=i, prompt_ids=list(p), response_ids=[self.digit_ids[j]], logprobs=[-1.0],
-                           finish_reason="length") for i, p in enumerate(prompts) for j in range(params.n)]
+        return [
+            Generation(
+                prompt_index=i,
+                prompt_ids=list(p),
+                response_ids=[self.digit_ids[j]],
+                logprobs=[-1.0],
+                finish_reason="length",
+            )
+            for i, p in enumerate(prompts)
+            for j in range(params.n)
+        ]
 
     def close(self):
         pass
@@ -131,17 +141,34 @@ def _one_step_with_fake_engine(out_dir, cache):
     trainer = Trainer(cfg, real.groups, parts)
     before = _flat(trainer.actor.role)
     metrics = trainer.train_step()
-    return {"calls": engine.calls, "step": trainer.step, "reward": metrics["reward/mean"],
-            "length": metrics["response/length_mean"], "moved": (_flat(trainer.actor.role) - before).abs().max().item(),
-            "rollout_diff": metrics.get("actor/rollout_diff_max"), "state": trainer.checkpoint_parts().step}
+    return {
+        "calls": engine.calls,
+        "step": trainer.step,
+        "reward": metrics["reward/mean"],
+        "length": metrics["response/length_mean"],
+        "moved": (_flat(trainer.actor.role) - before).abs().max().item(),
+        "rollout_diff": metrics.get("actor/rollout_diff_max"),
+        "state": trainer.checkpoint_parts().step,
+    }
 
 
 def _parts_of(trainer):
     from rlstack.trainer import TrainerParts
 
-    return TrainerParts(trainer.hf_dir, trainer.tokenizer, trainer.train_set, trainer.val_set, trainer.sampler,
-                        trainer.scorer, trainer.actor, trainer.ref, trainer.critic, trainer.engine,
-                        trainer.weight_sync, trainer.kl_ctrl)
+    return TrainerParts(
+        trainer.hf_dir,
+        trainer.tokenizer,
+        trainer.train_set,
+        trainer.val_set,
+        trainer.sampler,
+        trainer.scorer,
+        trainer.actor,
+        trainer.ref,
+        trainer.critic,
+        trainer.engine,
+        trainer.weight_sync,
+        trainer.kl_ctrl,
+    )
 
 
 def test_train_step_runs_on_injected_parts_with_a_fake_engine(tmp_path, tiny_cache):

@@ -117,6 +117,7 @@ def test_vllm_rollout_tp2_from_training_tp2(tiny_qwen2):
 
 # ---------------------------------------------------------------------- after an optimizer step
 
+
 def _step_then_sync(hf_dir, kind, out_dir):
     import torch
     import torch.distributed as dist
@@ -154,8 +155,9 @@ def _step_then_sync(hf_dir, kind, out_dir):
     dist.barrier()
     fresh = HFEngine(out_dir, engine.cfg, "cpu", eos_token_id=2, pad_token_id=2).generate(PROMPTS, greedy)
     return {
-        "changed": any(a.response_ids != b.response_ids or abs(a.logprobs[0] - b.logprobs[0]) > 1e-3
-                       for a, b in zip(after, before)),
+        "changed": any(
+            a.response_ids != b.response_ids or abs(a.logprobs[0] - b.logprobs[0]) > 1e-3 for a, b in zip(after, before)
+        ),
         "same_tokens": [a.response_ids == f.response_ids for a, f in zip(after, fresh)],
         "logprob_diff": max(abs(x - y) for a, f in zip(after, fresh) for x, y in zip(a.logprobs, f.logprobs)),
     }
@@ -174,6 +176,7 @@ def test_engine_follows_an_optimizer_step(request, tmp_path, kind, ckpt):
 
 
 # ---------------------------------------------------------------------- failures leave the engine untouched
+
 
 def _failing_syncs(hf_dir, other_dir):
     import torch
@@ -206,16 +209,19 @@ def _failing_syncs(hf_dir, other_dir):
         engine.param_targets = lambda: {n: t for n, t in full().items() if "layers.1.mlp.up_proj" not in n}
     attempt(engine)
     # a missing Megatron parameter on rank 0
-    attempt(_engine("hf", hf_dir, groups),
-            tamper=lambda s: s.params.pop("decoder.final_layernorm.weight") if groups.rank == 0 else None)
+    attempt(
+        _engine("hf", hf_dir, groups),
+        tamper=lambda s: s.params.pop("decoder.final_layernorm.weight") if groups.rank == 0 else None,
+    )
     return messages
 
 
 def test_failed_sync_raises_before_writing(tiny_qwen2, tiny_cache):
     from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
 
-    other = ensure_tiny_checkpoint(TinySpec(arch="qwen2", tie_word_embeddings=False, intermediate_size=384),
-                                   cache_dir=tiny_cache)
+    other = ensure_tiny_checkpoint(
+        TinySpec(arch="qwen2", tie_word_embeddings=False, intermediate_size=384), cache_dir=tiny_cache
+    )
     rank0, rank1 = run_distributed(_failing_syncs, 2, tiny_qwen2, other, timeout=120)
     assert all("shape" in m for m in (rank0[0], rank1[0]))
     assert "no tensor" in rank1[1] and "another rank" in rank0[1]
@@ -223,6 +229,7 @@ def test_failed_sync_raises_before_writing(tiny_qwen2, tiny_cache):
 
 
 # ---------------------------------------------------------------------- rollout.verify_sync stops a stale engine
+
 
 def _probe_after_syncs(hf_dir):
     from types import SimpleNamespace as NS

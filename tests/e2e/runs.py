@@ -10,12 +10,31 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def torchrun_train(out_dir: str, overrides: list[str], nproc: int = 2, config: str = "yaml_configs/tiny_cpu.yaml",
-                   extra_args: tuple = (), timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun_train(
+    out_dir: str,
+    overrides: list[str],
+    nproc: int = 2,
+    config: str = "yaml_configs/tiny_cpu.yaml",
+    extra_args: tuple = (),
+    timeout: float = 600,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     from tests.dist_utils import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "-m", "rlstack.train", "--config", config, f"trainer.output_dir={out_dir}", *overrides, *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "-m",
+        "rlstack.train",
+        "--config",
+        config,
+        f"trainer.output_dir={out_dir}",
+        *overrides,
+        *extra_args,
+    ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:
@@ -34,5 +53,13 @@ def train_steps(metrics: list[dict]) -> list[dict]:
 
 
 # Metrics that depend on the maths only (not on time or memory): what layouts and resumes must reproduce.
-NUMERIC_KEYS = ("reward/mean", "reward/std", "response/length_mean", "actor/loss", "actor/pg_loss",
-                "actor/kl", "actor/entropy", "critic/loss")
+NUMERIC_KEYS = (
+    "reward/mean",
+    "reward/std",
+    "response/length_mean",
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/entropy",
+    "critic/loss",
+)

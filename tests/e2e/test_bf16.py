@@ -45,8 +45,9 @@ def test_bf16_ppo_learns_and_resumes_exactly(tmp_path):
 
     step20 = os.path.join(out, "checkpoints", "step_00000020")
     resumed_dir = str(tmp_path / "resumed")
-    proc = torchrun_train(resumed_dir, ["trainer.total_steps=24", "checkpoint.save_every=0",
-                                        f"checkpoint.resume={step20}", *BF16])
+    proc = torchrun_train(
+        resumed_dir, ["trainer.total_steps=24", "checkpoint.save_every=0", f"checkpoint.resume={step20}", *BF16]
+    )
     assert f"resumed from {step20} at step 20" in proc.stdout + proc.stderr
     resumed = {r["step"]: r for r in train_steps(read_metrics(resumed_dir))}
     assert sorted(resumed) == [21, 22, 23, 24]

@@ -64,8 +64,24 @@ def _run(cmd, timeout=900):
 
 
 def test_verify_passes_on_default_model_at_pp2(default_cache):
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "megatron_bridge.verify",
-                "--hf", "default", "--tp", "1", "--pp", "2", "--cache-dir", default_cache])
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "megatron_bridge.verify",
+            "--hf",
+            "default",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--cache-dir",
+            default_cache,
+        ]
+    )
     line = next(ln for ln in out.splitlines() if ln.startswith("max_abs_logit_diff="))
     assert float(line.split("=")[1]) <= 1e-4
 
@@ -78,13 +94,28 @@ def test_convert_round_trip_of_default_model_is_bit_exact(default_cache, tmp_pat
 
     src = resolve_model_path("default", cache_dir=default_cache)
     mcore, out = str(tmp_path / "mcore"), str(tmp_path / "hf")
-    report = _run([sys.executable, "-m", "megatron_bridge.convert", "--hf-in", src, "--mcore-out", mcore,
-                   "--tp", "1", "--pp", "2"])
+    report = _run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_bridge.convert",
+            "--hf-in",
+            src,
+            "--mcore-out",
+            mcore,
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+        ]
+    )
     assert "rank 1:" in report
     _run([sys.executable, "-m", "megatron_bridge.convert", "--mcore-in", mcore, "--hf-out", out])
     assert json.load(open(os.path.join(out, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
-    with safe_open(os.path.join(src, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(out, "model.safetensors"), "pt") as b:
+    with (
+        safe_open(os.path.join(src, "model.safetensors"), "pt") as a,
+        safe_open(os.path.join(out, "model.safetensors"), "pt") as b,
+    ):
         assert sorted(a.keys()) == sorted(b.keys())
         for name in a.keys():
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name

@@ -18,10 +18,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_check_cpu_mode_passes(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), RLSTACK_GPU_WORK=str(tmp_path / "work"),
-               RLSTACK_GPU_MODEL=str(tmp_path / "model"))
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=400)
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "out"),
+        RLSTACK_GPU_WORK=str(tmp_path / "work"),
+        RLSTACK_GPU_MODEL=str(tmp_path / "model"),
+    )
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
     assert "device_check (cpu): all checks passed" in text and "gpu_check --cpu passed" in text

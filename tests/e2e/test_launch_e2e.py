@@ -18,9 +18,15 @@ PPO_SH = os.path.join(ROOT, "launch", "ppo.sh")
 
 def _launch(out, overrides, env, **kwargs):
     full_env = dict(os.environ, RLSTACK_IGNORE_SLURM="1", OMP_NUM_THREADS="1", **env)
-    return subprocess.Popen(["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *overrides],
-                            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+    return subprocess.Popen(
+        ["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *overrides],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_two_nodes_match_one_node(tmp_path):
@@ -33,8 +39,20 @@ def test_two_nodes_match_one_node(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     two = str(tmp_path / "two")
     port = str(free_port())
-    nodes = [_launch(two, steps, {"NNODES": "2", "NODE_RANK": str(r), "NPROC_PER_NODE": "1",
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(2)]
+    nodes = [
+        _launch(
+            two,
+            steps,
+            {
+                "NNODES": "2",
+                "NODE_RANK": str(r),
+                "NPROC_PER_NODE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(2)
+    ]
     outs = [n.communicate(timeout=600)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     for a, b in zip(train_steps(read_metrics(one)), train_steps(read_metrics(two))):
@@ -45,8 +63,12 @@ def test_two_nodes_match_one_node(tmp_path):
 
 def test_killed_rank_ends_the_job(tmp_path):
     out = str(tmp_path / "kill")
-    proc = _launch(out, ["trainer.total_steps=200"], {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
-                   start_new_session=True)
+    proc = _launch(
+        out,
+        ["trainer.total_steps=200"],
+        {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
+        start_new_session=True,
+    )
     try:
         victim = _wait_for_rank(proc.pid, rank=1, metrics=os.path.join(out, "metrics.jsonl"))
         victim.send_signal(signal.SIGKILL)
@@ -74,9 +96,14 @@ def _wait_for_rank(launcher_pid: int, rank: int, metrics: str, timeout: float = 
 
 
 def test_user_error_is_one_line():
-    proc = subprocess.run(["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", "rollout.tempreature=2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, RLSTACK_IGNORE_SLURM="1", NPROC_PER_NODE="2"))
+    proc = subprocess.run(
+        ["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", "rollout.tempreature=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, RLSTACK_IGNORE_SLURM="1", NPROC_PER_NODE="2"),
+    )
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert lines == ["error: unknown config key 'rollout.tempreature': did you mean 'rollout.temperature'?"]

@@ -45,13 +45,30 @@ def _metrics(out_dir: str) -> dict[int, dict]:
 
 def _kill_during_step_4(out_dir: str) -> None:
     """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL all its processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out_dir}", STEPS,
-           "checkpoint.save_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rlstack.train",
+        "--config",
+        "yaml_configs/tiny_cpu.yaml",
+        f"trainer.output_dir={out_dir}",
+        STEPS,
+        "checkpoint.save_every=1",
+    ]
     latest = os.path.join(out_dir, "checkpoints", "latest")
     with open(out_dir + ".killed.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 240
             while _read(latest) != "step_00000003":
@@ -90,8 +107,11 @@ def _plant_broken_checkpoints(root: str) -> None:
     os.remove(os.path.join(markerless, "COMPLETE.json"))
     truncated = os.path.join(root, "step_00000005")
     shutil.copytree(good, truncated)
-    shard = next(os.path.join(truncated, "actor", n) for n in os.listdir(os.path.join(truncated, "actor"))
-                 if n.endswith(".distcp"))
+    shard = next(
+        os.path.join(truncated, "actor", n)
+        for n in os.listdir(os.path.join(truncated, "actor"))
+        if n.endswith(".distcp")
+    )
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
 
@@ -146,8 +166,7 @@ def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
     step3 = os.path.join(reference, "checkpoints", "step_00000003")
 
     run = str(tmp_path / "tp2")
-    output = _train(run, "algorithm.name=ppo", "parallel.tp=2", "checkpoint.save_every=0",
-                    f"checkpoint.resume={step3}")
+    output = _train(run, "algorithm.name=ppo", "parallel.tp=2", "checkpoint.save_every=0", f"checkpoint.resume={step3}")
     assert f"resumed from {step3} at step 3" in output
     assert "resume at a new layout" in output  # RNG streams are per rank: not restored across layouts
     resumed = _metrics(run)

@@ -16,10 +16,13 @@ def _mean(rows, key):
     return sum(r[key] for r in rows) / len(rows)
 
 
-@pytest.mark.parametrize("algo,overrides", [
-    ("grpo", []),
-    ("ppo", ["algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3"]),
-])
+@pytest.mark.parametrize(
+    "algo,overrides",
+    [
+        ("grpo", []),
+        ("ppo", ["algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3"]),
+    ],
+)
 def test_tiny_reward_rises(tmp_path, algo, overrides):
     out = str(tmp_path / algo)
     torchrun_train(out, ["trainer.total_steps=40", *overrides])
@@ -86,8 +89,9 @@ def test_golden_metrics_reproduced(tmp_path):
 def assert_loss_terms(rows, kl_loss_coef):
     """Machine-independent: actor/loss = actor/pg_loss + kl_loss_coef * actor/kl at every step."""
     for r in rows:
-        assert r["actor/loss"] == pytest.approx(r["actor/pg_loss"] + kl_loss_coef * r.get("actor/kl", 0.0),
-                                                rel=1e-4, abs=1e-9), r
+        assert r["actor/loss"] == pytest.approx(
+            r["actor/pg_loss"] + kl_loss_coef * r.get("actor/kl", 0.0), rel=1e-4, abs=1e-9
+        ), r
 
 
 def test_trackers_plot_and_memory_warning(tmp_path):
@@ -96,8 +100,14 @@ def test_trackers_plot_and_memory_warning(tmp_path):
     import sys
 
     out = str(tmp_path / "obs")
-    proc = torchrun_train(out, ["trainer.total_steps=2", "logging.trackers=[console,jsonl,tensorboard]",
-                                "logging.memory_warn_fraction=0.0001"])
+    proc = torchrun_train(
+        out,
+        [
+            "trainer.total_steps=2",
+            "logging.trackers=[console,jsonl,tensorboard]",
+            "logging.memory_warn_fraction=0.0001",
+        ],
+    )
     text = proc.stdout + proc.stderr
     assert "WARNING" in text and "memory" in text.lower()
     assert len(train_steps(read_metrics(out))) == 2

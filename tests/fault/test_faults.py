@@ -53,8 +53,9 @@ def test_diverging_learning_rate_with_skip_runs_on(tmp_path):
 
 def test_nan_reward_names_source_row_and_function(tmp_path):
     reward = tmp_path / "bad_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float('nan')\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+    )
     out = str(tmp_path / "nan")
     proc = launch(out, [f"data.reward_fn_file={reward}", "trainer.total_steps=3", *SAVE])
     text = finish(proc)
@@ -110,10 +111,13 @@ def test_sigterm_during_a_save_publishes_nothing_half_written(tmp_path):
     out = str(tmp_path / "term")
     proc = launch(out, ["trainer.total_steps=200", *SAVE])
     try:
+
         def saving():
             root = _ckpts(out)
-            return os.path.isdir(root) and any(n.endswith(".tmp") and n.startswith("step_00000003")
-                                               for n in os.listdir(root))
+            return os.path.isdir(root) and any(
+                n.endswith(".tmp") and n.startswith("step_00000003") for n in os.listdir(root)
+            )
+
         wait_for(saving, what="the third save to start", poll=0.01)
         os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to torchrun and its workers
     finally:

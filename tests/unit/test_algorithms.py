@@ -40,8 +40,9 @@ T = torch.tensor
 
 
 def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0
+    )
 
 
 # ----------------------------------------------------------------------------- registries
@@ -58,6 +59,7 @@ def test_registries_match_config_choices():
 def test_config_imports_no_torch():
     import subprocess
     import sys
+
     code = "import sys, rlstack.config, rlstack.algorithms.names; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -122,8 +124,7 @@ def test_gae_entry_whitens_advantages_and_keeps_raw_returns():
     rewards, values = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
     mask = T([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4, [1] * 5 + [0]])
     raw, raw_ret = gae(rewards, values, mask, 1.0, 0.95)
-    adv, ret = compute_advantages("gae", token_rewards=rewards, values=values, mask=mask,
-                                  gamma=1.0, lam=0.95)
+    adv, ret = compute_advantages("gae", token_rewards=rewards, values=values, mask=mask, gamma=1.0, lam=0.95)
     close(adv, masked_whiten(raw, mask))
     close(ret, raw_ret)
     close(masked_mean(adv, mask), 0.0)
@@ -175,8 +176,7 @@ def test_grpo_zero_mean_unit_std_per_group():
             close(adv[groups == gid, 0].sum(), 0.0)
             if name == "grpo":
                 close(adv[groups == gid, 0].std(), 1.0, atol=1e-4)
-    same = compute_advantages("grpo", scores=torch.ones(4), group_ids=T([0, 0, 1, 1]),
-                              mask=torch.ones(4, 2))[0]
+    same = compute_advantages("grpo", scores=torch.ones(4), group_ids=T([0, 0, 1, 1]), mask=torch.ones(4, 2))[0]
     assert torch.equal(same, torch.zeros(4, 2))  # equal scores: no signal, not nan
 
 
@@ -184,14 +184,11 @@ def test_group_estimators_read_token_rewards_summed_over_mask():
     mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
     token_rewards = T([[0.5, 0.5, 9.0], [0.0, 9.0, 9.0], [1.0, 0.5, 0.5], [-1.0, 9.0, 9.0]])
     groups = T([0, 0, 1, 1])
-    from_tokens = compute_advantages("grpo", token_rewards=token_rewards, group_ids=groups,
-                                     mask=mask)
-    from_scores = compute_advantages("grpo", scores=T([1.0, 0.0, 2.0, -1.0]), group_ids=groups,
-                                     mask=mask)
+    from_tokens = compute_advantages("grpo", token_rewards=token_rewards, group_ids=groups, mask=mask)
+    from_scores = compute_advantages("grpo", scores=T([1.0, 0.0, 2.0, -1.0]), group_ids=groups, mask=mask)
     close(from_tokens[0], from_scores[0])
     with pytest.raises(ValueError, match="exactly one"):
-        compute_advantages("rloo", scores=T([1.0, 0, 2, -1]), token_rewards=token_rewards,
-                           group_ids=groups, mask=mask)
+        compute_advantages("rloo", scores=T([1.0, 0, 2, -1]), token_rewards=token_rewards, group_ids=groups, mask=mask)
 
 
 def test_group_and_name_errors():
@@ -279,8 +276,7 @@ def test_agg_loss_by_hand():
     close(agg_loss(loss_mat, mask, "seq-mean-token-sum"), 3.5)  # (3 + 4) / 2
     close(agg_loss(loss_mat, mask, "seq-mean-token-mean"), 2.75)  # (1.5 + 4) / 2
     # An all-padding row neither adds loss nor counts as a sequence.
-    padded = (torch.cat([loss_mat, torch.ones(1, 3)]),
-              torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)]))
+    padded = (torch.cat([loss_mat, torch.ones(1, 3)]), torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)]))
     close(agg_loss(*padded, "seq-mean-token-mean"), 2.75)
     with pytest.raises(ValueError, match="global_num_seqs"):
         agg_loss(loss_mat, mask, "seq-mean-token-sum", global_num_tokens=3)
@@ -302,8 +298,17 @@ def test_agg_loss_split_invariance(mode):
     splits = [order[0:1], order[1:4], order[4:6], order[6:9], order[9:11], order[11:12]]
     counts = [mask_counts(mask[idx]) for idx in splits]
     num_tokens, num_seqs_global = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    parts = [agg_loss(loss_mat[idx], mask[idx], mode, global_num_tokens=num_tokens,
-                      global_num_seqs=num_seqs_global, loss_scale_factor=7) for idx in splits]
+    parts = [
+        agg_loss(
+            loss_mat[idx],
+            mask[idx],
+            mode,
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs_global,
+            loss_scale_factor=7,
+        )
+        for idx in splits
+    ]
     torch.testing.assert_close(sum(parts), full, atol=1e-12, rtol=0)
 
 
@@ -348,8 +353,7 @@ def test_policy_loss_on_policy_gradient():
     old = T([[-1.0, -2.0, -3.0]])
     logprob = old.clone().requires_grad_()
     adv, mask = T([[0.5, -1.0, 2.0]]), T([[1, 1, 0]])
-    loss, stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2, 3.0,
-                              agg_mode="seq-mean-token-sum")
+    loss, stats = policy_loss(old, logprob, adv, mask, 0.2, 0.2, 3.0, agg_mode="seq-mean-token-sum")
     close(loss, -(0.5 - 1.0))
     loss.backward()
     close(logprob.grad, [[-0.5, 1.0, 0.0]])
@@ -400,8 +404,7 @@ def test_reinforce_plus_plus_by_hand():
     # row 0: G2 = 1, G1 = 0 + 0.5, G0 = -0.1 + 0.25 = 0.15; row 1: G1 = 2, G0 = 1, G2 (off mask) = 0
     close(returns, [[0.15, 0.5, 1.0], [1.0, 2.0, 0.0]])
     g = torch.tensor([0.15, 0.5, 1.0, 1.0, 2.0])
-    close(adv, [[*((g[:3] - g.mean()) / g.std()).tolist()], [*((g[3:] - g.mean()) / g.std()).tolist(), 0.0]],
-          atol=1e-4)
+    close(adv, [[*((g[:3] - g.mean()) / g.std()).tolist()], [*((g[3:] - g.mean()) / g.std()).tolist(), 0.0]], atol=1e-4)
     adv, _ = compute_advantages("reinforce_plus_plus", mask=mask, token_rewards=rewards, gamma=0.5)
     close(adv[0, 0], ((0.15 - g.mean()) / g.std()).item(), atol=1e-4)
 
@@ -456,7 +459,7 @@ def test_verl_kl_names_by_hand():
     logp, ref = T([[-1.0, -2.0]]), T([[-1.5, -1.0]])
     d = logp - ref  # [0.5, -1.0]
     close(kl_estimate(logp, ref, "kl"), d)
-    close(kl_estimate(logp, ref, "mse"), 0.5 * d ** 2)
+    close(kl_estimate(logp, ref, "mse"), 0.5 * d**2)
     close(kl_estimate(logp, ref, "abs"), [[0.5, 1.0]])
     r = -d  # ref - logp
     close(kl_estimate(logp, ref, "low_var_kl"), torch.exp(r) - r - 1)
@@ -483,8 +486,7 @@ def test_gspo_sequence_ratio_and_clip_by_hand():
     logprob = T([[0.2, -0.1, 0.5], [0.0, 0.02, 7.0]]).requires_grad_()
     adv = T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
     mask = T([[1, 1, 1], [1, 1, 0]])
-    loss, stats = gspo_policy_loss(old, logprob, adv, mask, clip_low=0.05, clip_high=0.1,
-                                   agg_mode="token-mean")
+    loss, stats = gspo_policy_loss(old, logprob, adv, mask, clip_low=0.05, clip_high=0.1, agg_mode="token-mean")
     s1 = math.exp(0.01)  # row 0 ratio exp(0.2) clips at 1.1
     # row 0, A = 1: max(-s0, -clip(s0) = -1.1) = -1.1, clipped; row 1, A = -1: max(s1, clip(s1)) = s1
     close(loss, (3 * -1.1 + 2 * s1) / 5)

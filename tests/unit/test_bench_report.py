@@ -22,8 +22,14 @@ def test_param_counts():
     assert DIMS.layer_params == 144
     assert DIMS.matmul_params == 184
     assert DIMS.critic_matmul_params == 148
-    hf = {"hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-          "intermediate_size": 8, "vocab_size": 10}
+    hf = {
+        "hidden_size": 4,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 8,
+        "vocab_size": 10,
+    }
     assert ModelDims.from_hf_config(hf) == DIMS
 
 
@@ -45,8 +51,9 @@ def test_grpo_step_flops_by_hand():
 
 
 def test_ppo_step_adds_the_critic_and_skips_what_is_off():
-    shape = StepShape(num_prompts=2, samples_per_prompt=1, prompt_len=3, response_len=2, ppo_epochs=2,
-                      ref_forward=False, critic=True)
+    shape = StepShape(
+        num_prompts=2, samples_per_prompt=1, prompt_len=3, response_len=2, ppo_epochs=2, ref_forward=False, critic=True
+    )
     flops = step_flops(DIMS, shape)
     critic_fwd = 2 * (2 * 148 * 5 + 240)
     assert "ref_logprob" not in flops
@@ -68,8 +75,11 @@ def test_model_shapes_per_rank():
 
 def test_combine_takes_worker_medians_and_machine_totals():
     def worker(train, decode, memcpy):
-        return {"train": {"flops_per_s": train, "shapes": []}, "decode": {"flops_per_s": decode, "shapes": []},
-                "memcpy_bytes_per_s": memcpy}
+        return {
+            "train": {"flops_per_s": train, "shapes": []},
+            "decode": {"flops_per_s": decode, "shapes": []},
+            "memcpy_bytes_per_s": memcpy,
+        }
 
     out = combine([worker(10, 4, 100), worker(14, 6, 300), worker(12, 5, 200)], procs=3, threads=1)
     assert out["train_flops_per_s"] == 12 and out["train_flops_per_s_total"] == 36
@@ -77,31 +87,83 @@ def test_combine_takes_worker_medians_and_machine_totals():
 
 
 def _step(step_s, **extra):
-    row = {"timing/step_s": step_s, "timing/sync_s": 1.0, "timing/rollout_s": 4.0, "timing/score_s": 2.0,
-           "timing/update_s": 3.0, "throughput/rollout_tok_s": 0.5, "throughput/actor_tok_s": 5.0,
-           "sync/seconds": 1.0, "sync/bytes": 1000, "response/length_mean": 2.0}
+    row = {
+        "timing/step_s": step_s,
+        "timing/sync_s": 1.0,
+        "timing/rollout_s": 4.0,
+        "timing/score_s": 2.0,
+        "timing/update_s": 3.0,
+        "throughput/rollout_tok_s": 0.5,
+        "throughput/actor_tok_s": 5.0,
+        "sync/seconds": 1.0,
+        "sync/bytes": 1000,
+        "response/length_mean": 2.0,
+    }
     return {**row, **extra}
 
 
 def _results() -> dict:
     return {
-        "config": "c.yaml", "config_name": "c", "date": "2026-01-01", "command": "benchmarks/run.py --config c.yaml",
-        "setup": {"prompts": 2, "n": 2, "warmup_steps": 1, "algorithm": "grpo", "engine": "hf", "model_name": "m",
-                  "max_new_tokens": 2, "dtype": "float32", "nproc": 2, "layout": "tp1 pp1 dp2", "threads_per_rank": 1,
-                  "steps": 3, "reps": 2, "warmup_reps": 1, "device": "cpu"},
+        "config": "c.yaml",
+        "config_name": "c",
+        "date": "2026-01-01",
+        "command": "benchmarks/run.py --config c.yaml",
+        "setup": {
+            "prompts": 2,
+            "n": 2,
+            "warmup_steps": 1,
+            "algorithm": "grpo",
+            "engine": "hf",
+            "model_name": "m",
+            "max_new_tokens": 2,
+            "dtype": "float32",
+            "nproc": 2,
+            "layout": "tp1 pp1 dp2",
+            "threads_per_rank": 1,
+            "steps": 3,
+            "reps": 2,
+            "warmup_reps": 1,
+            "device": "cpu",
+        },
         "model": {"dims": {"hidden": 4, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 2, "ffn": 8, "vocab": 10}},
-        "trainer": {"steps": [{"step": 0, "val/accuracy": 0.5}, _step(100.0), _step(10.0), _step(12.0, **{
-            "sync/seconds": 3.0})], "memory": {"per_rank_rss_gib": [2.0, 2.0], "sum_rss_gib": 4.0, "sum_pss_gib": 3.0}},
-        "stages": {"prompt_len_mean": 3.0, "rollout": {"hf": {"tok_s": [8.0, 10.0, 9.0]},
-                                                       "vllm": {"skipped": "vllm is not installed"}},
-                   "actor_fwd": {"tok_s": [20.0, 20.0]}, "critic_fwd": {"tok_s": [30.0, 30.0]}},
-        "ceilings": {"train_flops_per_s": 500.0, "train_flops_per_s_total": 1000.0, "decode_flops_per_s": 250.0,
-                     "decode_flops_per_s_total": 500.0, "memcpy_bytes_per_s": 100.0, "memcpy_bytes_per_s_total": 200.0,
-                     "procs": 2, "threads_per_proc": 1},
-        "trl": {"trl_version": "1.16.0", "prompts": 2, "generations": 2, "peak_rss_gib": 10.0,
-                "steps": [{"step_s": 50.0}, {"step_s": 20.0, "trl/completions/mean_length": 2.0},
-                          {"step_s": 24.0, "trl/completions/mean_length": 2.0}]},
-        "machine": {"cpu": "test cpu", "logical cores": 2}, "versions": {"torch": "x"},
+        "trainer": {
+            "steps": [
+                {"step": 0, "val/accuracy": 0.5},
+                _step(100.0),
+                _step(10.0),
+                _step(12.0, **{"sync/seconds": 3.0}),
+            ],
+            "memory": {"per_rank_rss_gib": [2.0, 2.0], "sum_rss_gib": 4.0, "sum_pss_gib": 3.0},
+        },
+        "stages": {
+            "prompt_len_mean": 3.0,
+            "rollout": {"hf": {"tok_s": [8.0, 10.0, 9.0]}, "vllm": {"skipped": "vllm is not installed"}},
+            "actor_fwd": {"tok_s": [20.0, 20.0]},
+            "critic_fwd": {"tok_s": [30.0, 30.0]},
+        },
+        "ceilings": {
+            "train_flops_per_s": 500.0,
+            "train_flops_per_s_total": 1000.0,
+            "decode_flops_per_s": 250.0,
+            "decode_flops_per_s_total": 500.0,
+            "memcpy_bytes_per_s": 100.0,
+            "memcpy_bytes_per_s_total": 200.0,
+            "procs": 2,
+            "threads_per_proc": 1,
+        },
+        "trl": {
+            "trl_version": "1.16.0",
+            "prompts": 2,
+            "generations": 2,
+            "peak_rss_gib": 10.0,
+            "steps": [
+                {"step_s": 50.0},
+                {"step_s": 20.0, "trl/completions/mean_length": 2.0},
+                {"step_s": 24.0, "trl/completions/mean_length": 2.0},
+            ],
+        },
+        "machine": {"cpu": "test cpu", "logical cores": 2},
+        "versions": {"torch": "x"},
     }
 
 
@@ -219,8 +281,10 @@ def test_ceilings_measure_every_shape_of_a_small_model(monkeypatch):
 
     monkeypatch.setattr(ceilings, "MIN_BLOCK_S", 0.001)  # the path, not the precision, is under test
     monkeypatch.setattr(ceilings, "BLOCKS", 2)
-    out = ceilings.measure(DIMS, train_rows=16, decode_rows=2, tp=1, pp=1, dtype_name="float32", device_name="cpu",
-                  memcpy_mib=1)
-    assert [(s["m"], s["k"], s["n"]) for s in out["train"]["shapes"]] == [(m, k, n) for m, k, n, _ in
-                                                                          model_shapes(DIMS, 16)]
+    out = ceilings.measure(
+        DIMS, train_rows=16, decode_rows=2, tp=1, pp=1, dtype_name="float32", device_name="cpu", memcpy_mib=1
+    )
+    assert [(s["m"], s["k"], s["n"]) for s in out["train"]["shapes"]] == [
+        (m, k, n) for m, k, n, _ in model_shapes(DIMS, 16)
+    ]
     assert out["train"]["flops_per_s"] > 0 and out["decode"]["flops_per_s"] > 0 and out["memcpy_bytes_per_s"] > 0

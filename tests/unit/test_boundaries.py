@@ -52,14 +52,17 @@ print(len(names))
 
 
 def test_bridge_imports_with_rlstack_unimportable():
-    proc = subprocess.run([sys.executable, "-c", BLOCK_RLSTACK], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", BLOCK_RLSTACK], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) >= 10
 
 
 def test_import_rlstack_imports_no_torch():
-    proc = subprocess.run([sys.executable, "-c", "import sys, rlstack, rlstack.config, rlstack.preflight; "
-                                                  "print('torch' in sys.modules)"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, rlstack, rlstack.config, rlstack.preflight; print('torch' in sys.modules)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

@@ -19,11 +19,34 @@ from tests.e2e.runs import ROOT
 ALLOWED = {os.path.join("rlstack", "collectives.py")}
 SCANNED = ("rlstack", "benchmarks")
 # torch.distributed functions that move data or synchronise ranks
-RAW = {"all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
-       "all_gather_coalesced", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
-       "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
-       "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
-       "batch_isend_irecv", "send_object_list", "recv_object_list"}
+RAW = {
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
+}
 
 
 def _dist_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
@@ -46,9 +69,13 @@ def _dist_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
 def _is_torch_distributed(node: ast.AST, modules: set[str]) -> bool:
     if isinstance(node, ast.Name):
         return node.id in modules
-    return (isinstance(node, ast.Attribute) and node.attr in ("distributed", "distributed_c10d")
-            and (isinstance(node.value, ast.Name) and node.value.id == "torch"
-                 or _is_torch_distributed(node.value, modules)))
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in ("distributed", "distributed_c10d")
+        and (
+            isinstance(node.value, ast.Name) and node.value.id == "torch" or _is_torch_distributed(node.value, modules)
+        )
+    )
 
 
 def raw_collective_calls(source: str) -> list[tuple[int, str]]:
@@ -64,7 +91,7 @@ def raw_collective_calls(source: str) -> list[tuple[int, str]]:
             found.append((node.lineno, f.attr))
         elif isinstance(f, ast.Name) and f.id in functions:
             found.append((node.lineno, functions[f.id]))
-        elif (isinstance(f, ast.Attribute) and f.attr == "P2POp" and _is_torch_distributed(f.value, modules)):
+        elif isinstance(f, ast.Attribute) and f.attr == "P2POp" and _is_torch_distributed(f.value, modules):
             found.append((node.lineno, "P2POp"))
     return found
 
@@ -85,18 +112,23 @@ def test_no_raw_collectives_outside_the_collectives_module():
             continue
         with open(path) as f:
             offenders += [f"{rel}:{line} dist.{name}" for line, name in raw_collective_calls(f.read())]
-    assert not offenders, ("raw torch.distributed collectives outside rlstack/collectives.py (NCCL refuses "
-                           "CPU tensors; use rlstack.collectives): " + ", ".join(offenders))
+    assert not offenders, (
+        "raw torch.distributed collectives outside rlstack/collectives.py (NCCL refuses "
+        "CPU tensors; use rlstack.collectives): " + ", ".join(offenders)
+    )
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("import torch.distributed as dist\ndist.all_reduce(t)\n", [(2, "all_reduce")]),
-    ("import torch\ntorch.distributed.broadcast(t, 0)\n", [(2, "broadcast")]),
-    ("from torch import distributed as d\nd.barrier()\n", [(2, "barrier")]),
-    ("from torch.distributed import all_gather_object as ag\nag(p, x)\n", [(2, "all_gather_object")]),
-    ("import torch.distributed as dist\nx = dist.get_rank()\ndist.is_initialized()\n", []),
-    ("def all_reduce(t): pass\nall_reduce(t)\n", []),
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("import torch.distributed as dist\ndist.all_reduce(t)\n", [(2, "all_reduce")]),
+        ("import torch\ntorch.distributed.broadcast(t, 0)\n", [(2, "broadcast")]),
+        ("from torch import distributed as d\nd.barrier()\n", [(2, "barrier")]),
+        ("from torch.distributed import all_gather_object as ag\nag(p, x)\n", [(2, "all_gather_object")]),
+        ("import torch.distributed as dist\nx = dist.get_rank()\ndist.is_initialized()\n", []),
+        ("def all_reduce(t): pass\nall_reduce(t)\n", []),
+    ],
+)
 def test_scanner_sees_every_spelling(source, expected):
     """The scan itself can fail: each way of spelling a raw call is caught, non-collectives are not."""
     assert raw_collective_calls(source) == expected

@@ -27,8 +27,15 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["algorithm.actor_lr=1e-6", "trainer.total_steps=7",
-                                                    "logging.trackers=[console,tensorboard]", "model.cache_dir=null"])
+    cfg = load_config(
+        "yaml_configs/tiny_cpu.yaml",
+        [
+            "algorithm.actor_lr=1e-6",
+            "trainer.total_steps=7",
+            "logging.trackers=[console,tensorboard]",
+            "model.cache_dir=null",
+        ],
+    )
     assert cfg.algorithm.actor_lr == 1e-6 and isinstance(cfg.algorithm.actor_lr, float)
     assert cfg.trainer.total_steps == 7
     assert cfg.logging.trackers == ["console", "tensorboard"]
@@ -40,18 +47,21 @@ def test_single_path_becomes_list():
     assert cfg.data.train_files == ["x.parquet"]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("rollout.tempreature=1", "did you mean 'rollout.temperature'"),
-    ("algoritm.name=ppo", "did you mean 'algorithm"),
-    ("trainer.total_steps=abc", "'trainer.total_steps' expects int"),
-    ("rollout.temperature=hot", "'rollout.temperature' expects float"),
-    ("algorithm.use_kl_loss=3", "expects bool"),
-    ("rollout.engine=sglang", "choose one of 'hf', 'vllm'"),
-    ("logging.trackers=[console,neptune]", "unknown tracker 'neptune'"),
-    ("trainer.total_steps=0", "must be at least 1"),
-    ("rollout.n", "is not key=value"),
-    ("rollout=3", "must be a section"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.tempreature=1", "did you mean 'rollout.temperature'"),
+        ("algoritm.name=ppo", "did you mean 'algorithm"),
+        ("trainer.total_steps=abc", "'trainer.total_steps' expects int"),
+        ("rollout.temperature=hot", "'rollout.temperature' expects float"),
+        ("algorithm.use_kl_loss=3", "expects bool"),
+        ("rollout.engine=sglang", "choose one of 'hf', 'vllm'"),
+        ("logging.trackers=[console,neptune]", "unknown tracker 'neptune'"),
+        ("trainer.total_steps=0", "must be at least 1"),
+        ("rollout.n", "is not key=value"),
+        ("rollout=3", "must be a section"),
+    ],
+)
 def test_override_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config("yaml_configs/tiny_cpu.yaml", [override])
@@ -76,12 +86,18 @@ def test_parallel_sizes_name_the_fix():
     dims = ParallelDims.resolve(2, 1, -1, 4)
     assert dims.dp == 2
     shape = ModelArgs.from_hf_config(SMOLLM2_135M_CONFIG)
-    with pytest.raises(ValueError, match=r"does not divide the model's 9 attention heads: choose parallel.tp from \[1, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"does not divide the model's 9 attention heads: choose parallel.tp from \[1, 3\]"
+    ):
         ParallelDims.resolve(2, 1, -1, 2).check_model(shape)
     with pytest.raises(ValueError, match=r"parallel.pp=4 does not divide the model's 30 layers"):
         ParallelDims.resolve(1, 4, -1, 4).check_model(shape)
     with pytest.raises(ValueError, match="key/value heads"):
-        ParallelDims.resolve(4, 1, -1, 4).check_model(ModelArgs.from_hf_config(dict(SMOLLM2_135M_CONFIG, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)))
+        ParallelDims.resolve(4, 1, -1, 4).check_model(
+            ModelArgs.from_hf_config(
+                dict(SMOLLM2_135M_CONFIG, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+            )
+        )
 
 
 def test_check_layout_batch_divides_dp():
@@ -95,15 +111,28 @@ def test_defaults_are_a_valid_tree():
 
 
 def test_validate_only_cli_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml",
-                           "rollout.tempreature=1", "--validate-only"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlstack.train",
+            "--config",
+            "yaml_configs/tiny_cpu.yaml",
+            "rollout.tempreature=1",
+            "--validate-only",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert lines == ["error: unknown config key 'rollout.tempreature': did you mean 'rollout.temperature'?"]
 
 
 def test_import_rlstack_is_light():
-    code = "import sys, rlstack, rlstack.config, rlstack.parallel; " \
-           "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)"
+    code = (
+        "import sys, rlstack, rlstack.config, rlstack.parallel; "
+        "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG_DIR = os.path.join(ROOT, "yaml_configs")
 ALL_CONFIGS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 
+
 # Shapes from the models' HF config.json (vocab before Megatron's padding).
 def _args(name):
     with open(os.path.join(ROOT, "tests", "assets", "model_configs", name)) as f:

@@ -28,14 +28,21 @@ def tok(tmp_path_factory):
 
 def verl_rows(n=6):
     """GSM8K-shaped rows as verl's examples/data_preprocess/gsm8k.py writes them."""
-    return [{
-        "data_source": "openai/gsm8k",
-        "prompt": [{"role": "user", "content": f"What is {i} plus {i + 1}? Let's think step by step."}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
-        "extra_info": {"split": "train", "index": i, "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}",
-                       "question": f"What is {i} plus {i + 1}?"},
-    } for i in range(n)]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} plus {i + 1}? Let's think step by step."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+            "extra_info": {
+                "split": "train",
+                "index": i,
+                "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}",
+                "question": f"What is {i} plus {i + 1}?",
+            },
+        }
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- rows
@@ -54,8 +61,14 @@ def test_verl_rows_round_trip_parquet_and_jsonl(tmp_path):
 
 
 def test_optional_fields_are_filled_and_empty_extra_info_round_trips(tmp_path):
-    rows = [{"data_source": "s", "prompt": [{"role": "user", "content": "hi"}],
-             "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {}}]
+    rows = [
+        {
+            "data_source": "s",
+            "prompt": [{"role": "user", "content": "hi"}],
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {},
+        }
+    ]
     write_parquet(rows, str(tmp_path / "d.parquet"))  # parquet cannot hold an empty struct
     loaded = load_rows([str(tmp_path / "d.parquet")])
     assert loaded == [dict(rows[0], ability="")]
@@ -72,8 +85,10 @@ def test_jsonl_and_parquet_give_identical_batches(tmp_path, tok):
     rows = verl_rows(12)
     write_parquet(rows, str(tmp_path / "d.parquet"))
     write_jsonl(rows, str(tmp_path / "d.jsonl"))
-    datasets = [PromptDataset(load_rows([str(tmp_path / name)]), tok, max_prompt_length=128)
-                for name in ("d.parquet", "d.jsonl")]
+    datasets = [
+        PromptDataset(load_rows([str(tmp_path / name)]), tok, max_prompt_length=128)
+        for name in ("d.parquet", "d.jsonl")
+    ]
     batches = []
     for dataset in datasets:
         sampler = PromptSampler(len(dataset), batch_size=4, seed=3)
@@ -88,8 +103,7 @@ def test_jsonl_and_parquet_give_identical_batches(tmp_path, tok):
 def test_prompts_use_the_chat_template(tok):
     rows = verl_rows(2)
     dataset = PromptDataset(rows, tok, max_prompt_length=128)
-    expected = tok.apply_chat_template(rows[1]["prompt"], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
+    expected = tok.apply_chat_template(rows[1]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
     p = dataset[1]
     assert p.input_ids == list(expected)
     assert (p.index, p.data_source, p.ground_truth) == (1, "openai/gsm8k", "3")
@@ -115,8 +129,10 @@ def test_tokenizer_without_chat_template_is_an_error(tok):
 
 
 def test_data_modules_do_not_import_torch():
-    code = ("import sys, rlstack.data.dataset, rlstack.data.make_arith, rlstack.rewards; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys, rlstack.data.dataset, rlstack.data.make_arith, rlstack.rewards; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -125,8 +141,11 @@ def test_too_long_prompt_errors_naming_file_row_and_fix(tmp_path, tok):
     rows[2]["prompt"][0]["content"] = "many words " * 40
     path = str(tmp_path / "long.parquet")
     write_parquet(rows, path)
-    with pytest.raises(ValueError, match=rf"data file {re.escape(path)} row 2: prompt is \d+ tokens.*max_prompt_length=64: "
-                                         r"raise data.max_prompt_length or set data.truncation=drop"):
+    with pytest.raises(
+        ValueError,
+        match=rf"data file {re.escape(path)} row 2: prompt is \d+ tokens.*max_prompt_length=64: "
+        r"raise data.max_prompt_length or set data.truncation=drop",
+    ):
         PromptDataset(load_rows([path]), tok, max_prompt_length=64)
 
 
@@ -211,8 +230,9 @@ def test_sampler_resume_continues_exactly():
 
 
 def test_sampler_errors():
-    with pytest.raises(ValueError, match="data.train_batch_size=6 must be a positive multiple of the "
-                                         "data-parallel size 4"):
+    with pytest.raises(
+        ValueError, match="data.train_batch_size=6 must be a positive multiple of the data-parallel size 4"
+    ):
         PromptSampler(20, 6, dp_rank=0, dp_size=4)
     with pytest.raises(ValueError, match="3 prompts, fewer than data.train_batch_size=4"):
         PromptSampler(3, 4)
@@ -265,8 +285,24 @@ def test_copy_rows():
 
 def test_make_arith_cli_writes_verl_parquet(tmp_path):
     out = tmp_path / "arith"
-    subprocess.run([sys.executable, "-m", "rlstack.data.make_arith", "--out", str(out), "--train", "12",
-                    "--val", "4", "--seed", "3"], check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlstack.data.make_arith",
+            "--out",
+            str(out),
+            "--train",
+            "12",
+            "--val",
+            "4",
+            "--seed",
+            "3",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     train = load_rows([str(out / "train.parquet")])
     val = load_rows([str(out / "val.parquet")])
     assert train == synthetic.make_arith_rows(12, seed=3, split="train")
@@ -278,19 +314,31 @@ def test_make_arith_cli_writes_verl_parquet(tmp_path):
 
 BAD_ROWS = {  # name: (change to row 2, expected message after "data file F row 2: ")
     "missing column": (lambda r: r.pop("reward_model"), "missing column 'reward_model': every row needs"),
-    "null reward_model": (lambda r: r.update(reward_model=None),
-                          "'reward_model' must be a mapping with 'ground_truth'"),
-    "prompt is a string": (lambda r: r.update(prompt="What is 2 plus 3?"),
-                           "malformed prompt 'What is 2 plus 3\\?': 'prompt' must be a non-empty list of chat"),
+    "null reward_model": (
+        lambda r: r.update(reward_model=None),
+        "'reward_model' must be a mapping with 'ground_truth'",
+    ),
+    "prompt is a string": (
+        lambda r: r.update(prompt="What is 2 plus 3?"),
+        "malformed prompt 'What is 2 plus 3\\?': 'prompt' must be a non-empty list of chat",
+    ),
     "empty prompt": (lambda r: r.update(prompt=[]), "malformed prompt \\[\\]"),
-    "content missing": (lambda r: r.update(prompt=[{"role": "user", "content": None}]),
-                        "malformed prompt, message 0 has content None: each message needs a string 'content'"),
-    "bad role": (lambda r: r.update(prompt=[{"role": "human", "content": "hi"}]),
-                 "malformed prompt, message 0 has role 'human': use one of"),
-    "empty ground truth": (lambda r: r["reward_model"].update(ground_truth=""),
-                           "'reward_model.ground_truth' is empty: give every row its reference answer"),
-    "blank ground truth": (lambda r: r["reward_model"].update(ground_truth="  "),
-                           "'reward_model.ground_truth' is empty"),
+    "content missing": (
+        lambda r: r.update(prompt=[{"role": "user", "content": None}]),
+        "malformed prompt, message 0 has content None: each message needs a string 'content'",
+    ),
+    "bad role": (
+        lambda r: r.update(prompt=[{"role": "human", "content": "hi"}]),
+        "malformed prompt, message 0 has role 'human': use one of",
+    ),
+    "empty ground truth": (
+        lambda r: r["reward_model"].update(ground_truth=""),
+        "'reward_model.ground_truth' is empty: give every row its reference answer",
+    ),
+    "blank ground truth": (
+        lambda r: r["reward_model"].update(ground_truth="  "),
+        "'reward_model.ground_truth' is empty",
+    ),
 }
 # A parquet column has one type in every row: a row cannot lack a column or hold a string prompt.
 PARQUET_BAD_ROWS = [k for k in BAD_ROWS if k not in ("missing column", "prompt is a string")]
@@ -318,13 +366,16 @@ def test_missing_column_in_a_parquet_file(tmp_path):
         load_rows([str(tmp_path / "good.parquet")], prompt_key="question")
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("missing.parquet", None, "does not exist: fix the path in data.train_files/val_files"),
-    ("corrupt.parquet", "not parquet at all", "is not a readable parquet file"),
-    ("data.csv", "a,b\n1,2\n", "has an unknown suffix: use .parquet, .jsonl or .json"),
-    ("empty.jsonl", "\n", "has no rows"),
-    ("broken.jsonl", "{}\n\n{\"data_source\": \n", "row 1 \\(line 3\\) is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("missing.parquet", None, "does not exist: fix the path in data.train_files/val_files"),
+        ("corrupt.parquet", "not parquet at all", "is not a readable parquet file"),
+        ("data.csv", "a,b\n1,2\n", "has an unknown suffix: use .parquet, .jsonl or .json"),
+        ("empty.jsonl", "\n", "has no rows"),
+        ("broken.jsonl", '{}\n\n{"data_source": \n', "row 1 \\(line 3\\) is not valid JSON"),
+    ],
+)
 def test_unreadable_files(tmp_path, name, content, message):
     path = tmp_path / name
     if content is not None:

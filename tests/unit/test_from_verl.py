@@ -39,9 +39,16 @@ QUICKSTART = r"""PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \
 
 
 def _gsm8k_rows(n):
-    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
-             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -86,17 +93,29 @@ def test_quickstart_translates_and_validates(quickstart_files, tmp_path, capsys)
     # the rollout log-prob micro-batch of 8 cannot be kept apart: listed, not silently dropped
     assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8" in text
     from rlstack import train
+
     assert train.main(["--config", str(out), "--validate-only", "--world-size", "1"]) == 0
     assert "config ok" in capsys.readouterr().out
 
 
 def test_batch_units_for_grpo():
-    t = from_verl.translate(from_verl.parse_command_line([
-        "algorithm.adv_estimator=grpo", "data.train_batch_size=128", "actor_rollout_ref.rollout.n=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
-        "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.clip_ratio=0.28",
-        "trainer.total_training_steps=100"]))
+    t = from_verl.translate(
+        from_verl.parse_command_line(
+            [
+                "algorithm.adv_estimator=grpo",
+                "data.train_batch_size=128",
+                "actor_rollout_ref.rollout.n=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                "trainer.n_gpus_per_node=8",
+                "trainer.nnodes=2",
+                "actor_rollout_ref.actor.use_kl_loss=True",
+                "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                "actor_rollout_ref.actor.clip_ratio=0.28",
+                "trainer.total_training_steps=100",
+            ]
+        )
+    )
     v = t.values
     assert v["algorithm.name"] == "grpo" and v["algorithm.adv_estimator"] == "grpo"
     assert v["algorithm.mini_batch_size"] == 32 * 8  # prompts -> sequences
@@ -108,10 +127,17 @@ def test_batch_units_for_grpo():
 
 
 def test_whole_batch_mini_batch_and_drgrpo():
-    t = from_verl.translate({"algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
-                             "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
-                             "data.train_batch_size": 64, "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
-                             "actor_rollout_ref.rollout.n": 4, "trainer.total_training_steps": 3})
+    t = from_verl.translate(
+        {
+            "algorithm.adv_estimator": "grpo",
+            "algorithm.norm_adv_by_std_in_grpo": False,
+            "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+            "data.train_batch_size": 64,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
+            "actor_rollout_ref.rollout.n": 4,
+            "trainer.total_training_steps": 3,
+        }
+    )
     assert t.values["algorithm.adv_estimator"] == "drgrpo"
     assert t.values["algorithm.loss_agg_mode"] == "seq-mean-token-sum-norm"
     assert t.values["algorithm.mini_batch_size"] == 0  # one optimizer step per batch
@@ -119,15 +145,28 @@ def test_whole_batch_mini_batch_and_drgrpo():
 
 def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
     out = tmp_path / "x.yaml"
-    code = from_verl.main(["--out", str(out), "--strict", "algorithm.adv_estimator=remax",
-                           "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-                           "actor_rollout_ref.actor.use_dynamic_bsz=True", "trainer.logger=[console,swanlab]",
-                           "data.truncation=left", "trainer.total_training_steps=2"])
+    code = from_verl.main(
+        [
+            "--out",
+            str(out),
+            "--strict",
+            "algorithm.adv_estimator=remax",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "trainer.logger=[console,swanlab]",
+            "data.truncation=left",
+            "trainer.total_training_steps=2",
+        ]
+    )
     assert code == 1  # --strict: something is unsupported
     text = out.read_text()
     err = capsys.readouterr().err
-    for item in ("algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                 "trainer.logger=swanlab", "data.truncation=left"):
+    for item in (
+        "algorithm.adv_estimator=remax",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "trainer.logger=swanlab",
+        "data.truncation=left",
+    ):
         assert f"UNSUPPORTED {item}" in err
         assert item in text.split("# UNSUPPORTED")[1]
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true: FSDP setting" in text
@@ -142,21 +181,31 @@ def test_total_epochs_without_readable_files_is_unsupported():
 
 
 def test_command_line_parsing():
-    parsed = from_verl.parse_command_line(shlex.split(
-        "FOO=1 python3 -m verl.trainer.main_ppo +data.seed=3 trainer.logger=['console','wandb'] "
-        "critic.model.path=null data.val_files=[a.parquet,b.parquet] 2>&1 | tee log"))
-    assert parsed == {"data.seed": 3, "trainer.logger": ["console", "wandb"], "critic.model.path": None,
-                      "data.val_files": ["a.parquet", "b.parquet"]}
+    parsed = from_verl.parse_command_line(
+        shlex.split(
+            "FOO=1 python3 -m verl.trainer.main_ppo +data.seed=3 trainer.logger=['console','wandb'] "
+            "critic.model.path=null data.val_files=[a.parquet,b.parquet] 2>&1 | tee log"
+        )
+    )
+    assert parsed == {
+        "data.seed": 3,
+        "trainer.logger": ["console", "wandb"],
+        "critic.model.path": None,
+        "data.val_files": ["a.parquet", "b.parquet"],
+    }
 
 
-@pytest.mark.parametrize("override, names", [
-    ("data.max_response_length=512", "rollout.max_new_tokens"),
-    ("trainer.logger=[console]", "logging.trackers"),
-    ("actor_rollout_ref.actor.optim.lr=1e-6", "algorithm.actor_lr"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "algorithm.mini_batch_size (sequences"),
-    ("algorithm.kl_ctrl.kl_coef=0.01", "algorithm.kl_coef"),
-    ("critic.model.path=/m", "model.critic_path"),
-])
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("data.max_response_length=512", "rollout.max_new_tokens"),
+        ("trainer.logger=[console]", "logging.trackers"),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", "algorithm.actor_lr"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "algorithm.mini_batch_size (sequences"),
+        ("algorithm.kl_ctrl.kl_coef=0.01", "algorithm.kl_coef"),
+        ("critic.model.path=/m", "model.critic_path"),
+    ],
+)
 def test_config_hint_knows_verl_names(override, names):
     with pytest.raises(ConfigError) as info:
         load_config(None, ["data.synthetic=arith", override])
@@ -165,6 +214,5 @@ def test_config_hint_knows_verl_names(override, names):
 
 
 def test_verl_kl_value_names_are_accepted():
-    cfg = load_config(None, ["data.synthetic=arith", "algorithm.kl_loss_type=low_var_kl",
-                             "algorithm.kl_penalty=kl"])
+    cfg = load_config(None, ["data.synthetic=arith", "algorithm.kl_loss_type=low_var_kl", "algorithm.kl_penalty=kl"])
     assert cfg.algorithm.kl_loss_type == "low_var_kl"

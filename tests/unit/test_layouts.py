@@ -18,9 +18,21 @@ from megatron_bridge.mappings import (
 from megatron_bridge.models import ModelArgs
 
 # GQA: 8 heads in 4 query groups; vocab 300 is not a multiple of 128 or 64.
-ARGS = ModelArgs(arch="qwen2", vocab_size=300, hidden_size=16, num_layers=4, num_attention_heads=8,
-                 num_query_groups=4, ffn_hidden_size=24, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
-                 max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+ARGS = ModelArgs(
+    arch="qwen2",
+    vocab_size=300,
+    hidden_size=16,
+    num_layers=4,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=24,
+    head_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 
 
 def _hf_tensors(transform, args=ARGS, bias=False):
@@ -28,8 +40,14 @@ def _hf_tensors(transform, args=ARGS, bias=False):
     H, F, V = args.hidden_size, args.ffn_hidden_size, args.vocab_size
     Q, KV = args.num_attention_heads * args.head_dim, args.num_query_groups * args.head_dim
     tail = () if bias else (H,)
-    shapes = {"replicate": [(H,)], "column": [(F, H)], "row": [(H, F)], "vocab": [(V, H)],
-              "qkv": [(Q, *tail), (KV, *tail), (KV, *tail)], "gate_up": [(F, H), (F, H)]}[transform]
+    shapes = {
+        "replicate": [(H,)],
+        "column": [(F, H)],
+        "row": [(H, F)],
+        "vocab": [(V, H)],
+        "qkv": [(Q, *tail), (KV, *tail), (KV, *tail)],
+        "gate_up": [(F, H), (F, H)],
+    }[transform]
     return [torch.randn(s, generator=gen) for s in shapes]
 
 
@@ -93,6 +111,7 @@ def test_unknown_transform_is_named():
 
 # ---------------------------------------------------------------- mappings
 
+
 def test_both_directions_come_from_one_declaration():
     forward = megatron_to_hf_names(ARGS)
     backward = hf_to_megatron_names(ARGS)
@@ -100,7 +119,8 @@ def test_both_directions_come_from_one_declaration():
         for i, hf in enumerate(m.hf):
             assert (m, i) in backward[hf]
     assert forward["decoder.layers.3.self_attention.linear_qkv.bias"].hf == tuple(
-        f"model.layers.3.self_attn.{p}_proj.bias" for p in "qkv")
+        f"model.layers.3.self_attn.{p}_proj.bias" for p in "qkv"
+    )
     assert forward["output_layer.weight"].hf == ("lm_head.weight",)
     assert len(backward) == 2 + 4 * 12 + 1  # embed, lm_head, 12 per layer (incl. 3 biases), final norm
 
@@ -117,9 +137,11 @@ def test_tied_embedding_feeds_the_output_layer_but_is_exported_once():
 def test_te_spec_uses_fused_norm_names():
     maps = megatron_to_hf_names(ARGS, te_spec=True)
     assert maps["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"].hf == (
-        "model.layers.0.input_layernorm.weight",)
+        "model.layers.0.input_layernorm.weight",
+    )
     assert maps["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"].hf == (
-        "model.layers.0.post_attention_layernorm.weight",)
+        "model.layers.0.post_attention_layernorm.weight",
+    )
 
 
 def test_local_and_global_layer_names():
@@ -130,6 +152,7 @@ def test_local_and_global_layer_names():
 
 # ---------------------------------------------------------------- vLLM layouts
 
+
 def test_vllm_qkv_replicates_kv_heads_past_their_count():
     # tp 8 > 4 KV heads: ranks 2r and 2r+1 share KV head r.
     q, k, v = _hf_tensors("qkv")
@@ -137,7 +160,7 @@ def test_vllm_qkv_replicates_kv_heads_past_their_count():
     for rank in range(8):
         shard = layouts.vllm_shard("qkv", [q, k, v], rank, 8, ARGS)
         kv = rank // 2
-        expected = torch.cat([q[rank * d:(rank + 1) * d], k[kv * d:(kv + 1) * d], v[kv * d:(kv + 1) * d]])
+        expected = torch.cat([q[rank * d : (rank + 1) * d], k[kv * d : (kv + 1) * d], v[kv * d : (kv + 1) * d]])
         assert torch.equal(shard, expected)
 
 

@@ -35,19 +35,34 @@ def clean_logger():
 
 def run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # ----------------------------------------------------------------------------- logging
 
 
 def test_step_line_has_fixed_order_and_skips_missing_keys():
-    metrics = {"mem/rss_gib": 3.21, "actor/loss": -0.013, "reward/mean": 0.4123, "actor/kl": 0.0012,
-               "critic/loss": 0.21, "timing/step_s": 4.14, "throughput/rollout_tok_s": 812.4,
-               "actor/entropy": 1.0}
-    assert format_step_line(3, metrics) == ("step 3 | reward 0.412 | kl 0.0012 | actor_loss -0.013 | "
-                                            "critic_loss 0.21 | step_s 4.1 | rollout_tok/s 812 | rss_gib 3.2")
+    metrics = {
+        "mem/rss_gib": 3.21,
+        "actor/loss": -0.013,
+        "reward/mean": 0.4123,
+        "actor/kl": 0.0012,
+        "critic/loss": 0.21,
+        "timing/step_s": 4.14,
+        "throughput/rollout_tok_s": 812.4,
+        "actor/entropy": 1.0,
+    }
+    assert format_step_line(3, metrics) == (
+        "step 3 | reward 0.412 | kl 0.0012 | actor_loss -0.013 | "
+        "critic_loss 0.21 | step_s 4.1 | rollout_tok/s 812 | rss_gib 3.2"
+    )
     assert format_step_line(7, {"actor/kl": 0.5}) == "step 7 | kl 0.5"
 
 
@@ -97,7 +112,8 @@ def test_user_error_prints_one_line_on_rank0_and_traceback_to_file(tmp_path):
     proc = run_python(GUARD_SCRIPT.format(rank=0, body=body), tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "error: unknown config key 'trainer.totl_steps': did you mean 'trainer.total_steps'?"]
+        "error: unknown config key 'trainer.totl_steps': did you mean 'trainer.total_steps'?"
+    ]
     assert proc.stdout.splitlines()[-1].endswith("INFO parsing config")
     text = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert "ERROR rlstack: user error: unknown config key" in text
@@ -140,8 +156,7 @@ def test_jsonl_lines_are_flushed_and_parseable(tmp_path):
     tracker.log({"reward/mean": torch.tensor(0.5), "actor/kl": np.float32(0.25), "note": "x"}, step=1)
     tracker.log({"actor/loss": float("nan"), "step": 99}, step=2)
     rows = [json.loads(line) for line in path.read_text().splitlines()]  # before close: flushed
-    assert rows == [{"step": 1, "reward/mean": 0.5, "actor/kl": 0.25, "note": "x"},
-                    {"step": 2, "actor/loss": None}]
+    assert rows == [{"step": 1, "reward/mean": 0.5, "actor/kl": 0.25, "note": "x"}, {"step": 2, "actor/loss": None}]
     with pytest.raises(TypeError, match="'bad' is list"):
         tracker.log({"bad": [1, 2]}, step=3)
     tracker.close()
@@ -207,8 +222,10 @@ def test_wandb_tracker_forwards_metrics(tmp_path, monkeypatch):
     trackers.log({"reward/mean": 0.5}, step=4)
     trackers.close()
     run_id = (tmp_path / "wandb_run_id").read_text().strip()
-    assert calls[0] == ("init", {"project": "rlstack", "name": "r", "config": {"a": 1}, "dir": str(tmp_path),
-                                 "id": run_id, "resume": "allow"})
+    assert calls[0] == (
+        "init",
+        {"project": "rlstack", "name": "r", "config": {"a": 1}, "dir": str(tmp_path), "id": run_id, "resume": "allow"},
+    )
     assert calls[1:] == [("log", {"reward/mean": 0.5}, 4), ("finish",)]
 
 
@@ -242,8 +259,14 @@ def test_wandb_resumes_the_same_run_after_a_restart(tmp_path, monkeypatch):
     second.log({"reward/mean": 0.2}, step=2)
     second.close()
     run_id = calls[0][1]
-    assert calls == [("init", run_id, "allow"), ("log", run_id, 1), ("finish", run_id),
-                     ("init", run_id, "allow"), ("log", run_id, 2), ("finish", run_id)]
+    assert calls == [
+        ("init", run_id, "allow"),
+        ("log", run_id, 1),
+        ("finish", run_id),
+        ("init", run_id, "allow"),
+        ("log", run_id, 2),
+        ("finish", run_id),
+    ]
     assert second.trackers[1].resumed and not first.trackers[1].resumed
     other = build_trackers(["wandb"], str(tmp_path / "elsewhere"), rank=0)  # another directory: another run
     assert other.trackers[1].run_id != run_id
@@ -279,6 +302,7 @@ class _FakeMlflow:
 
     def start_run(self, run_id=None, run_name=None):
         import types
+
         if run_id is None:
             self.runs += 1
             run_id = f"run{self.runs}"
@@ -299,24 +323,37 @@ def test_mlflow_tracker_logs_and_resumes(tmp_path, monkeypatch):
     fake = _FakeMlflow()
     monkeypatch.setitem(sys.modules, "mlflow", fake)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    first = build_trackers(["mlflow"], str(tmp_path), rank=0, config_dict={"algorithm": {"lr": 1e-6}, "x": "y" * 900},
-                           project="proj", run_name="r")
+    first = build_trackers(
+        ["mlflow"],
+        str(tmp_path),
+        rank=0,
+        config_dict={"algorithm": {"lr": 1e-6}, "x": "y" * 900},
+        project="proj",
+        run_name="r",
+    )
     first.log({"reward/mean": 0.5, "note": "text", "flag": True}, step=3)
     first.close()
     second = build_trackers(["mlflow"], str(tmp_path), rank=0, project="proj")
     second.close()
     uri = "file:" + str(tmp_path / "mlruns")
     assert fake.calls == [
-        ("uri", uri), ("experiment", "proj"), ("start", "run1", "r"),
+        ("uri", uri),
+        ("experiment", "proj"),
+        ("start", "run1", "r"),
         ("params", {"algorithm.lr": "1e-06", "x": "y" * 500}),
-        ("metrics", {"reward/mean": 0.5, "flag": 1.0}, 3), ("end",),
-        ("uri", uri), ("experiment", "proj"), ("start", "run1", None), ("end",),  # the same run again
+        ("metrics", {"reward/mean": 0.5, "flag": 1.0}, 3),
+        ("end",),
+        ("uri", uri),
+        ("experiment", "proj"),
+        ("start", "run1", None),
+        ("end",),  # the same run again
     ]
     assert (tmp_path / "mlflow_run_id").read_text().strip() == "run1"
 
 
 def test_mlflow_missing_is_a_user_error(tmp_path, monkeypatch):
     from rlstack.errors import UserError
+
     monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(UserError, match="pip install mlflow"):
         build_trackers(["mlflow"], str(tmp_path), rank=0)
@@ -435,9 +472,20 @@ def test_read_metrics_keeps_last_row_per_step_and_tolerates_a_cut_last_line(tmp_
 def test_plot_writes_pngs_from_metrics(tmp_path, capsys):
     from rlstack.plot import main
 
-    rows = [{"step": s, "reward/mean": 0.1 * s, "reward/std": 0.05, "actor/kl": 0.001 * s,
-             "actor/loss": -0.01, "critic/loss": 0.2 / s, "throughput/rollout_tok_s": 800.0 + s,
-             "timing/step_s": 4.0, "val/accuracy": 0.5 if s % 2 == 0 else None} for s in range(1, 7)]
+    rows = [
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "reward/std": 0.05,
+            "actor/kl": 0.001 * s,
+            "actor/loss": -0.01,
+            "critic/loss": 0.2 / s,
+            "throughput/rollout_tok_s": 800.0 + s,
+            "timing/step_s": 4.0,
+            "val/accuracy": 0.5 if s % 2 == 0 else None,
+        }
+        for s in range(1, 7)
+    ]
     rows[2]["val/accuracy/gsm8k"] = 0.3
     write_metrics(tmp_path / "run", rows)
     assert main([str(tmp_path / "run"), "--out", str(tmp_path / "png")]) == 0
@@ -450,12 +498,18 @@ def test_plot_writes_pngs_from_metrics(tmp_path, capsys):
 
 def test_plot_without_metrics_is_one_line_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "rlstack.plot", str(tmp_path / "nothing")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlstack.plot", str(tmp_path / "nothing")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         f"error: {tmp_path / 'nothing' / 'metrics.jsonl'} not found: pass the run's trainer.output_dir, "
-        "which holds metrics.jsonl"]
+        "which holds metrics.jsonl"
+    ]
 
 
 # ----------------------------------------------------------------------------- all together
@@ -471,8 +525,13 @@ def test_tiny_run_writes_metrics_events_and_charts(tmp_path, capsys):
     for step in range(1, 4):
         log.info(f"step {step}: rollout")
         tokens = sum(1 for _ in progress(range(8), "rollout", rank=0))
-        metrics = {"reward/mean": step / 4, "actor/kl": 0.001 * step, "actor/loss": -0.01,
-                   "throughput/rollout_tok_s": float(tokens), **monitor.sample()}
+        metrics = {
+            "reward/mean": step / 4,
+            "actor/kl": 0.001 * step,
+            "actor/loss": -0.01,
+            "throughput/rollout_tok_s": float(tokens),
+            **monitor.sample(),
+        }
         trackers.log(metrics, step)
     trackers.close()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -503,6 +562,8 @@ def test_monitor_gpu_path_with_a_stubbed_cuda(monkeypatch, caplog):
     assert metrics["mem/gpu_alloc_gib"] == 30 and metrics["mem/gpu_peak_gib"] == 35
     assert metrics["mem/gpu_reserved_gib"] == 40 and metrics["mem/gpu_used_frac"] == pytest.approx(0.9)
     gpu_warnings = [r.getMessage() for r in caplog.records if "GPU 0" in r.getMessage()]
-    assert gpu_warnings == ["memory: GPU 0 memory 90% used (90.0 of 100.0 GiB; this rank: allocated 30.0 GiB, "
-                            "reserved 40.0 GiB), past logging.memory_warn_fraction=0.85: "
-                            "lower rollout.gpu_memory_utilization or the micro batch sizes"]
+    assert gpu_warnings == [
+        "memory: GPU 0 memory 90% used (90.0 of 100.0 GiB; this rank: allocated 30.0 GiB, "
+        "reserved 40.0 GiB), past logging.memory_warn_fraction=0.85: "
+        "lower rollout.gpu_memory_utilization or the micro batch sizes"
+    ]

@@ -20,8 +20,18 @@ QWEN_7B = os.path.join(ASSETS, "qwen2-7b-instruct.json")
 CFG_0P5B = os.path.join(ROOT, "yaml_configs", "qwen2_0p5b_gsm8k_1gpu.yaml")
 CFG_7B = os.path.join(ROOT, "yaml_configs", "qwen2_7b_gsm8k_8xa100.yaml")
 
-S = m.Shape(hidden_size=8, ffn_hidden_size=16, num_layers=2, num_attention_heads=2, num_query_groups=1,
-            head_dim=4, vocab_size=100, padded_vocab_size=128, tie_word_embeddings=True, qkv_bias=False)
+S = m.Shape(
+    hidden_size=8,
+    ffn_hidden_size=16,
+    num_layers=2,
+    num_attention_heads=2,
+    num_query_groups=1,
+    head_dim=4,
+    vocab_size=100,
+    padded_vocab_size=128,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
 PARAMS = 2216  # 2 layers x 592 + embedding 128 x 8 + final norm 8
 
 
@@ -89,8 +99,20 @@ def test_distributed_optimizer_shards_optimizer_state_by_dp():
 
 
 def test_cli_exit_1_names_the_change_that_fits(capsys):
-    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "40", "--model-config", QWEN_0P5B,
-               "rollout.gpu_memory_utilization=0.5", "algorithm.micro_batch_size=4"])
+    rc = main(
+        [
+            "--config",
+            CFG_0P5B,
+            "--world-size",
+            "1",
+            "--gpu-memory-gib",
+            "40",
+            "--model-config",
+            QWEN_0P5B,
+            "rollout.gpu_memory_utilization=0.5",
+            "algorithm.micro_batch_size=4",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert "of 40.00 GiB" in out and "does not fit" in out
@@ -121,8 +143,9 @@ def test_cli_json_parses(capsys):
 
 
 def test_missing_model_config_is_one_line(capsys):
-    rc = main(["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "80",
-               "model.path=/nonexistent/Qwen2-0.5B"])
+    rc = main(
+        ["--config", CFG_0P5B, "--world-size", "1", "--gpu-memory-gib", "80", "model.path=/nonexistent/Qwen2-0.5B"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1
@@ -140,8 +163,18 @@ def test_tiny_cpu_plan_uses_the_tiny_shape():
     plan = plan_for_config(cfg, 2, 24, device="cpu")
     assert plan.model_source == "model.tiny"
     tiny = cfg.model.tiny
-    shape = m.Shape(tiny.hidden_size, tiny.intermediate_size, tiny.num_layers, tiny.num_attention_heads,
-                    tiny.num_key_value_heads, tiny.hidden_size // tiny.num_attention_heads, 300, 384, True, False)
+    shape = m.Shape(
+        tiny.hidden_size,
+        tiny.intermediate_size,
+        tiny.num_layers,
+        tiny.num_attention_heads,
+        tiny.num_key_value_heads,
+        tiny.hidden_size // tiny.num_attention_heads,
+        300,
+        384,
+        True,
+        False,
+    )
     weights = next(i for i in plan.items if i.role == "actor" and i.name.startswith("weights"))
     assert weights.at("rollout") == m.stage_params(shape, 1, 1, 0) * 4
     assert plan.fits
@@ -161,11 +194,14 @@ def test_bad_flag_is_one_line(capsys):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--world-size" in err
 
 
-@pytest.mark.parametrize("name,world,gib,fixture", [
-    ("qwen2_0p5b_gsm8k_1gpu.yaml", 1, 40, QWEN_0P5B),
-    ("qwen2_7b_gsm8k_8xa100.yaml", 8, 80, QWEN_7B),
-    ("qwen2_7b_gsm8k_4node.yaml", 32, 80, QWEN_7B),
-])
+@pytest.mark.parametrize(
+    "name,world,gib,fixture",
+    [
+        ("qwen2_0p5b_gsm8k_1gpu.yaml", 1, 40, QWEN_0P5B),
+        ("qwen2_7b_gsm8k_8xa100.yaml", 8, 80, QWEN_7B),
+        ("qwen2_7b_gsm8k_4node.yaml", 32, 80, QWEN_7B),
+    ],
+)
 def test_shipped_gpu_configs_fit_with_the_planned_vllm_share(name, world, gib, fixture):
     cfg = load_config(os.path.join(ROOT, "yaml_configs", name))
     plan = plan_for_config(cfg, world, gib, model_config_file=fixture)

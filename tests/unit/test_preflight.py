@@ -25,8 +25,13 @@ def _check(tmp_path, *overrides):
 
 def _validate(*args):
     """The CLI as a user runs it; returns (exit code, the lines it printed)."""
-    proc = subprocess.run([sys.executable, "-m", "rlstack.train", "--validate-only", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlstack.train", "--validate-only", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return proc.returncode, [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
 
@@ -40,8 +45,15 @@ def _model_dir(tmp_path, config=None, files=("tokenizer.json", "model.safetensor
     return str(path)
 
 
-FULL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}
+FULL = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 300,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+}
 
 
 def test_a_good_config_passes(tmp_path):
@@ -49,16 +61,19 @@ def test_a_good_config_passes(tmp_path):
     assert found.dims.dp == 2 and found.data_sources == ["copy"] and found.resume_from == ""
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.train_files=[/nonexistent/train.parquet]", "data file /nonexistent/train.parquet does not exist"),
-    ("model.path=/nonexistent/model", "model.path=/nonexistent/model does not exist"),
-    ("model.path=Qwen/Qwen3-0.6B", "rlstack never downloads models"),
-    ("data.reward_fn_file=/nonexistent/reward.py", "reward file /nonexistent/reward.py does not exist"),
-    ("rollout.temperature=0", "for greedy decoding set rollout.top_k=1"),
-    ("rollout.top_p=1.5", "'rollout.top_p' is 1.5: it must be in (0, 1]"),
-    ("algorithm.actor_lr=0", "'algorithm.actor_lr' is 0.0: it must be > 0"),
-    ("algorithm.critic_lr=-1", "'algorithm.critic_lr' is -1.0: it must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.train_files=[/nonexistent/train.parquet]", "data file /nonexistent/train.parquet does not exist"),
+        ("model.path=/nonexistent/model", "model.path=/nonexistent/model does not exist"),
+        ("model.path=Qwen/Qwen3-0.6B", "rlstack never downloads models"),
+        ("data.reward_fn_file=/nonexistent/reward.py", "reward file /nonexistent/reward.py does not exist"),
+        ("rollout.temperature=0", "for greedy decoding set rollout.top_k=1"),
+        ("rollout.top_p=1.5", "'rollout.top_p' is 1.5: it must be in (0, 1]"),
+        ("algorithm.actor_lr=0", "'algorithm.actor_lr' is 0.0: it must be > 0"),
+        ("algorithm.critic_lr=-1", "'algorithm.critic_lr' is -1.0: it must be > 0"),
+    ],
+)
 def test_what_a_run_needs_is_checked_before_it_starts(tmp_path, override, message):
     code, lines = _validate("--config", TINY, f"trainer.output_dir={tmp_path / 'out'}", override)
     assert code == 2 and len(lines) == 1, lines
@@ -84,13 +99,19 @@ def test_model_directory_needs_a_sound_config_and_tokenizer(tmp_path):
         _check(tmp_path, f"model.path={_model_dir(tmp_path, '{not json')}")
 
 
-@pytest.mark.parametrize("config,files,message", [
-    ({k: v for k, v in FULL.items() if k != "num_attention_heads"}, ("tokenizer.json", "model.safetensors"),
-     "lacks 'num_attention_heads': it is incomplete"),
-    (FULL, ("model.safetensors",), "has no tokenizer files"),
-    (FULL, ("tokenizer.json",), "has no model.safetensors"),
-    (None, ("tokenizer.json",), "has no config.json"),
-])
+@pytest.mark.parametrize(
+    "config,files,message",
+    [
+        (
+            {k: v for k, v in FULL.items() if k != "num_attention_heads"},
+            ("tokenizer.json", "model.safetensors"),
+            "lacks 'num_attention_heads': it is incomplete",
+        ),
+        (FULL, ("model.safetensors",), "has no tokenizer files"),
+        (FULL, ("tokenizer.json",), "has no model.safetensors"),
+        (None, ("tokenizer.json",), "has no config.json"),
+    ],
+)
 def test_incomplete_model_directory(tmp_path, config, files, message):
     with pytest.raises(UserError, match=message):
         _check(tmp_path, f"model.path={_model_dir(tmp_path, config, files)}")
@@ -100,17 +121,21 @@ def test_output_dir_under_a_file(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     code, lines = _validate("--config", TINY, f"trainer.output_dir={blocker}/run")
-    assert code == 2 and lines == [f"error: trainer.output_dir={blocker}/run: {blocker} is a file, so the "
-                                   "directory cannot be created there: choose another trainer.output_dir"]
+    assert code == 2 and lines == [
+        f"error: trainer.output_dir={blocker}/run: {blocker} is a file, so the "
+        "directory cannot be created there: choose another trainer.output_dir"
+    ]
 
 
 def test_config_that_is_a_directory_or_binary(tmp_path):
     assert _validate("--config", str(tmp_path))[1] == [
-        f"error: config file {tmp_path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)"]
+        f"error: config file {tmp_path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)"
+    ]
     binary = tmp_path / "x.yaml"
     binary.write_bytes(bytes(range(256)))
     assert _validate("--config", str(binary))[1] == [
-        f"error: config file {binary} is not a text file: pass a YAML file to --config"]
+        f"error: config file {binary} is not a text file: pass a YAML file to --config"
+    ]
 
 
 def test_earlier_metrics_without_checkpoints_are_not_appended_to(tmp_path):
@@ -125,9 +150,11 @@ def test_earlier_metrics_without_checkpoints_are_not_appended_to(tmp_path):
 def test_did_you_mean_says_when_the_key_has_no_effect():
     with pytest.raises(UserError) as e:
         load_config(TINY, ["algorithm.kl_coeff=0.1"])
-    assert str(e.value) == ("unknown config key 'algorithm.kl_coeff': did you mean 'algorithm.kl_coef'? (note: "
-                            "algorithm.kl_coef has no effect while algorithm.use_kl_in_reward=false; this config "
-                            "uses algorithm.kl_loss_coef (the KL loss; use_kl_loss))")
+    assert str(e.value) == (
+        "unknown config key 'algorithm.kl_coeff': did you mean 'algorithm.kl_coef'? (note: "
+        "algorithm.kl_coef has no effect while algorithm.use_kl_in_reward=false; this config "
+        "uses algorithm.kl_loss_coef (the KL loss; use_kl_loss))"
+    )
     with pytest.raises(UserError) as e:
         load_config(TINY, ["algorithm.use_kl_in_reward=true", "algorithm.kl_coeff=0.1"])
     assert "note:" not in str(e.value)
@@ -143,11 +170,17 @@ def test_export_refuses_a_non_empty_directory_without_force(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "rlstack.export", "--ckpt", str(tmp_path / "nothing"),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlstack.export", "--ckpt", str(tmp_path / "nothing"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (f"error: --out {out} is not empty: choose a new directory, "
-                                                    "or pass --force to write into it")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --out {out} is not empty: choose a new directory, or pass --force to write into it"
+    )
     assert (out / "config.json").read_text() == "{}"
 
 

@@ -29,9 +29,21 @@ def assemble(tplan, shard, reader_tp: int, out=None) -> torch.Tensor:
 
 
 def _args(heads=8, groups=4, vocab=300, tied=True, qkv_bias=False, arch="llama"):
-    return ModelArgs(arch=arch, vocab_size=vocab, hidden_size=heads * 8, num_layers=2, num_attention_heads=heads,
-                     num_query_groups=groups, ffn_hidden_size=48, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                     max_position_embeddings=64, tie_word_embeddings=tied, qkv_bias=qkv_bias)
+    return ModelArgs(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=heads * 8,
+        num_layers=2,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=48,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        qkv_bias=qkv_bias,
+    )
 
 
 GQA = _args()  # 8 heads, 4 KV heads, tied, vocab 300 (not a multiple of 64 or 128)
@@ -41,8 +53,12 @@ FEW_KV = _args(heads=8, groups=2)  # rollout TP 4 > 2 KV heads: vLLM replicates 
 
 def _hf_tensors(args):
     gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen)
-            for m in param_maps(args) if m.export for name, shape in zip(m.hf, m.hf_shapes)}
+    return {
+        name: torch.randn(shape, generator=gen)
+        for m in param_maps(args)
+        if m.export
+        for name, shape in zip(m.hf, m.hf_shapes)
+    }
 
 
 def _megatron_shards(args, hf, tp, pp):
@@ -81,8 +97,8 @@ def _vllm_expected(args, hf, name, j, k):
         padded = -(-args.vocab_size // 64) * 64
         per = padded // k
         out = torch.zeros(per, full.shape[1])
-        real = full[j * per:min((j + 1) * per, args.vocab_size)]
-        out[:real.shape[0]] = real
+        real = full[j * per : min((j + 1) * per, args.vocab_size)]
+        out[: real.shape[0]] = real
         return out
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return _split(full, j, k, dim=1)
@@ -121,8 +137,9 @@ def test_plan_assembles_engine_shards(args, tp, pp, k, kind):
     hf = _hf_tensors(args)
     shards = _megatron_shards(args, hf, tp, pp)
     plan = plan_reshard(args, tp, pp, k, kind)
-    assert {(s, n): shape for s, n, shape in plan.sources} == {(s, n): tuple(v.shape) for (t, s, n), v in
-                                                               shards.items() if t == 0}
+    assert {(s, n): shape for s, n, shape in plan.sources} == {
+        (s, n): tuple(v.shape) for (t, s, n), v in shards.items() if t == 0
+    }
     for j in range(k):
         names = [tp_.name for tp_ in plan.tensors(j)]
         assert len(names) == len(set(names))
@@ -149,8 +166,11 @@ def test_vllm_layout_matches_layouts_vllm_shard():
     hf = _hf_tensors(args)
     shards = _megatron_shards(args, hf, 2, 1)
     plan = plan_reshard(args, 2, 1, 4, "vllm")
-    by_name = {m.hf[0].replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj"): m
-               for m in param_maps(args) if m.export}
+    by_name = {
+        m.hf[0].replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj"): m
+        for m in param_maps(args)
+        if m.export
+    }
     for j in range(4):
         for t in plan.tensors(j):
             m = by_name[t.name]

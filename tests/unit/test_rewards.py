@@ -14,27 +14,30 @@ from rlstack.rewards.custom import load_custom_reward
 LONG_TAIL = " and that is how the farmer counted the eggs again" * 7  # 350 characters
 
 
-@pytest.mark.parametrize("text, strict, flexible", [
-    ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
-    ("#### $18", None, "18"),  # "$" is not in verl's pattern: strict finds nothing
-    ("####18", None, "18"),  # strict needs exactly "#### " (one space)
-    ("####  18", None, "18"),  # two spaces: nothing either
-    ("#### 18.", "18.", "18."),  # the trailing period is part of the answer
-    ("The answer is 18.", None, "18."),
-    ("#### 1,234", "1234", "1,234"),  # strict drops commas, flexible keeps them
-    ("#### -5", "-5", "-5"),
-    ("7-5=2", None, "2"),
-    ("5-3", None, "-3"),  # flexible reads "-3": a minus glued to digits is a sign for verl
-    ("#### １８", None, None),  # full-width digits are not [0-9]
-    ("#### 18\nSo wait, maybe 20", "18", "20"),
-    ("#### 3\nno, #### 4", "4", "4"),
-    ("Hello, world.", None, ","),  # flexible's last run that is not "." is the comma
-    ("...", None, "..."),
-    ("I do not know.", None, "."),  # only "." runs: verl's loop ends on the first and returns it
-    ("", None, None),
-    ("#### 42" + LONG_TAIL, None, None),  # the #### is before the last 300 characters: unseen
-    ("x" * 400 + "#### 42", "42", "42"),  # the tail is searched however long the text
-])
+@pytest.mark.parametrize(
+    "text, strict, flexible",
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+        ("#### $18", None, "18"),  # "$" is not in verl's pattern: strict finds nothing
+        ("####18", None, "18"),  # strict needs exactly "#### " (one space)
+        ("####  18", None, "18"),  # two spaces: nothing either
+        ("#### 18.", "18.", "18."),  # the trailing period is part of the answer
+        ("The answer is 18.", None, "18."),
+        ("#### 1,234", "1234", "1,234"),  # strict drops commas, flexible keeps them
+        ("#### -5", "-5", "-5"),
+        ("7-5=2", None, "2"),
+        ("5-3", None, "-3"),  # flexible reads "-3": a minus glued to digits is a sign for verl
+        ("#### １８", None, None),  # full-width digits are not [0-9]
+        ("#### 18\nSo wait, maybe 20", "18", "20"),
+        ("#### 3\nno, #### 4", "4", "4"),
+        ("Hello, world.", None, ","),  # flexible's last run that is not "." is the comma
+        ("...", None, "..."),
+        ("I do not know.", None, "."),  # only "." runs: verl's loop ends on the first and returns it
+        ("", None, None),
+        ("#### 42" + LONG_TAIL, None, None),  # the #### is before the last 300 characters: unseen
+        ("x" * 400 + "#### 42", "42", "42"),  # the tail is searched however long the text
+    ],
+)
 def test_verl_extract_solution(text, strict, flexible):
     assert gsm8k.verl_extract_solution(text, "strict") == strict
     assert gsm8k.verl_extract_solution(text, "flexible") == flexible
@@ -45,20 +48,23 @@ def test_verl_window_is_the_last_300_characters():
     assert gsm8k.verl_extract_solution("#### 42" + "y" * 294) is None  # the first "#" is cut
 
 
-@pytest.mark.parametrize("text, truth, strict, flexible", [
-    ("#### 18", "18", 1.0, 1.0),
-    ("#### $18", "18", 0.0, 1.0),
-    ("####18", "18", 0.0, 1.0),
-    ("#### 18.", "18", 0.0, 0.0),  # "18." != "18"
-    ("#### 18.0", "18", 0.0, 0.0),  # compared as strings, not numbers
-    ("#### 1,000", "1000", 1.0, 0.0),  # flexible keeps the comma
-    ("#### -3", "-3", 1.0, 1.0),
-    ("#### 3", "-3", 0.0, 0.0),
-    ("#### １８", "18", 0.0, 0.0),
-    ("#### 42" + LONG_TAIL, "42", 0.0, 0.0),
-    ("#### 18", 18, 0.0, 0.0),  # a non-string ground truth never equals the answer string
-    ("#### 18", " 18", 0.0, 0.0),  # nor one with a space
-])
+@pytest.mark.parametrize(
+    "text, truth, strict, flexible",
+    [
+        ("#### 18", "18", 1.0, 1.0),
+        ("#### $18", "18", 0.0, 1.0),
+        ("####18", "18", 0.0, 1.0),
+        ("#### 18.", "18", 0.0, 0.0),  # "18." != "18"
+        ("#### 18.0", "18", 0.0, 0.0),  # compared as strings, not numbers
+        ("#### 1,000", "1000", 1.0, 0.0),  # flexible keeps the comma
+        ("#### -3", "-3", 1.0, 1.0),
+        ("#### 3", "-3", 0.0, 0.0),
+        ("#### １８", "18", 0.0, 0.0),
+        ("#### 42" + LONG_TAIL, "42", 0.0, 0.0),
+        ("#### 18", 18, 0.0, 0.0),  # a non-string ground truth never equals the answer string
+        ("#### 18", " 18", 0.0, 0.0),  # nor one with a space
+    ],
+)
 def test_verl_scores(text, truth, strict, flexible):
     assert gsm8k.compute_score(text, truth) == strict
     assert gsm8k.compute_score(text, truth, method="flexible") == flexible
@@ -86,41 +92,47 @@ def test_extract_rejects_unknown_method():
 # ----------------------------------------------------------------------------- gsm8k, lenient reading
 
 
-@pytest.mark.parametrize("text, strict, flexible", [
-    ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
-    ("The answer is 18.", None, "18"),  # no #### : strict finds nothing; the period is not a decimal
-    ("#### 18\nSo wait, maybe 20", "18", "20"),  # strict: after ####; flexible: last number
-    ("#### 3\nno, #### 4", "4", "4"),  # the last #### wins
-    ("####18", "18", "18"),
-    ("#### -5", "-5", "-5"),
-    ("It is -12 degrees.", None, "-12"),
-    ("7-5=2", None, "2"),  # a minus between digits is subtraction, not a sign
-    ("#### 1,234", "1234", "1234"),
-    ("He paid $1,080.50 in total. #### $1,080.50", "1080.50", "1080.50"),
-    ("The answer is 2.5 cups", None, "2.5"),
-    ("#### 42" + LONG_TAIL, "42", "42"),  # the whole response is searched
-    ("I do not know.", None, None),
-    ("", None, None),
-])
+@pytest.mark.parametrize(
+    "text, strict, flexible",
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+        ("The answer is 18.", None, "18"),  # no #### : strict finds nothing; the period is not a decimal
+        ("#### 18\nSo wait, maybe 20", "18", "20"),  # strict: after ####; flexible: last number
+        ("#### 3\nno, #### 4", "4", "4"),  # the last #### wins
+        ("####18", "18", "18"),
+        ("#### -5", "-5", "-5"),
+        ("It is -12 degrees.", None, "-12"),
+        ("7-5=2", None, "2"),  # a minus between digits is subtraction, not a sign
+        ("#### 1,234", "1234", "1234"),
+        ("He paid $1,080.50 in total. #### $1,080.50", "1080.50", "1080.50"),
+        ("The answer is 2.5 cups", None, "2.5"),
+        ("#### 42" + LONG_TAIL, "42", "42"),  # the whole response is searched
+        ("I do not know.", None, None),
+        ("", None, None),
+    ],
+)
 def test_lenient_extract_answer(text, strict, flexible):
     assert gsm8k.lenient_extract_answer(text, "strict") == strict
     assert gsm8k.lenient_extract_answer(text, "flexible") == flexible
 
 
-@pytest.mark.parametrize("text, truth, expected", [
-    ("#### -3", "-3", 1.0),
-    ("#### 3", "-3", 0.0),
-    ("#### 1,000", "1000", 1.0),
-    ("#### 1000", "1,000", 1.0),
-    ("#### 18.0", "18", 1.0),  # numbers compare by value
-    ("#### 18", "18.00", 1.0),
-    ("#### 2.50", "2.5", 1.0),
-    ("#### 3.14", "3", 0.0),
-    ("#### $18", "18", 1.0),
-    ("#### 18.", "18", 1.0),  # a sentence period after the number
-    ("no number at all", "18", 0.0),
-    ("#### 18", "eighteen", 0.0),  # a non-numeric ground truth never matches
-])
+@pytest.mark.parametrize(
+    "text, truth, expected",
+    [
+        ("#### -3", "-3", 1.0),
+        ("#### 3", "-3", 0.0),
+        ("#### 1,000", "1000", 1.0),
+        ("#### 1000", "1,000", 1.0),
+        ("#### 18.0", "18", 1.0),  # numbers compare by value
+        ("#### 18", "18.00", 1.0),
+        ("#### 2.50", "2.5", 1.0),
+        ("#### 3.14", "3", 0.0),
+        ("#### $18", "18", 1.0),
+        ("#### 18.", "18", 1.0),  # a sentence period after the number
+        ("no number at all", "18", 0.0),
+        ("#### 18", "eighteen", 0.0),  # a non-numeric ground truth never matches
+    ],
+)
 def test_lenient_numeric_comparison(text, truth, expected):
     assert gsm8k.lenient_score(text, truth) == expected
     assert SCORERS["gsm8k_lenient"](text, truth) == expected
@@ -135,25 +147,29 @@ def test_lenient_strict_vs_flexible():
 
 # ----------------------------------------------------------------------------- MATH, verl's reading
 
-@pytest.mark.parametrize("text, truth, expected", [
-    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),  # dfrac -> frac, \frac12 -> \frac{1}{2}
-    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),  # a/b of integers -> \frac{a}{b}
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{x = 3}", "3", 1.0),  # a short "x =" prefix is dropped
-    ("\\boxed{10\\text{ cm}}", "10", 1.0),  # a right-hand unit is dropped
-    ("\\boxed{90^\\circ}", "90", 1.0),
-    ("\\boxed{\\sqrt3}", "\\sqrt{3}", 1.0),
-    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
-    ("\\boxed{.5}", "0.5", 1.0),  # ".5" -> "0.5" -> \frac{1}{2}, as the truth "0.5" does
-    ("first \\boxed{1} then \\boxed{2}", "2", 1.0),  # the last box
-    ("\\boxed{{1}", "1", 0.0),  # never closed
-    ("\\fbox{1}", "1", 0.0),  # found, but verl only unboxes \boxed{
-    ("\\boxed 7$ and more", "7", 1.0),  # "\boxed " form: up to the next $
-    ("The answer is 7.", "7", 0.0),  # no box
-    ("\\boxed{1\\text{ a}\\text{ b}}", "1\\text{ a}\\text{ b}", 1.0),  # unnormalisable: raw equality
-    ("\\boxed{3}", 3, 0.0),  # a ground truth that is not a string never matches
-])
+
+@pytest.mark.parametrize(
+    "text, truth, expected",
+    [
+        ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),  # dfrac -> frac, \frac12 -> \frac{1}{2}
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),  # a/b of integers -> \frac{a}{b}
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{x = 3}", "3", 1.0),  # a short "x =" prefix is dropped
+        ("\\boxed{10\\text{ cm}}", "10", 1.0),  # a right-hand unit is dropped
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{\\sqrt3}", "\\sqrt{3}", 1.0),
+        ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+        ("\\boxed{.5}", "0.5", 1.0),  # ".5" -> "0.5" -> \frac{1}{2}, as the truth "0.5" does
+        ("first \\boxed{1} then \\boxed{2}", "2", 1.0),  # the last box
+        ("\\boxed{{1}", "1", 0.0),  # never closed
+        ("\\fbox{1}", "1", 0.0),  # found, but verl only unboxes \boxed{
+        ("\\boxed 7$ and more", "7", 1.0),  # "\boxed " form: up to the next $
+        ("The answer is 7.", "7", 0.0),  # no box
+        ("\\boxed{1\\text{ a}\\text{ b}}", "1\\text{ a}\\text{ b}", 1.0),  # unnormalisable: raw equality
+        ("\\boxed{3}", 3, 0.0),  # a ground truth that is not a string never matches
+    ],
+)
 def test_math_scores_as_verl(text, truth, expected):
     assert math_reward.compute_score(text, truth) == expected
     assert SCORERS["lighteval/MATH"](text, truth) == expected
@@ -172,31 +188,51 @@ def test_math_normalisation_failures_fall_back_to_raw_equality():
 # ----------------------------------------------------------------------------- arith and copy
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("5 + 7 = 12. #### 12", 1.0),
-    ("He has 12 apples now.", 1.0),  # flexible: the last number, no #### needed
-    ("#### 12\nThat makes 12 apples.", 1.0),
-    ("#### 12\nOops, 13 apples.", 1.0),  # strict answer right, last number wrong: still right
-    ("#### 11\nOr rather 12.", 1.0),  # strict wrong, last number right
-    ("#### 11", 0.0),
-    ("He has 5 + 7 = 13 apples.", 0.0),
-    ("no idea", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("5 + 7 = 12. #### 12", 1.0),
+        ("He has 12 apples now.", 1.0),  # flexible: the last number, no #### needed
+        ("#### 12\nThat makes 12 apples.", 1.0),
+        ("#### 12\nOops, 13 apples.", 1.0),  # strict answer right, last number wrong: still right
+        ("#### 11\nOr rather 12.", 1.0),  # strict wrong, last number right
+        ("#### 11", 0.0),
+        ("He has 5 + 7 = 13 apples.", 0.0),
+        ("no idea", 0.0),
+    ],
+)
 def test_arith_scorer_is_flexible(text, expected):
     assert SCORERS["arith"](text, "12") == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("7", 1.0), ("7 7 7", 1.0), ("The digit is 7.", 1.0), ("7.0", 1.0),
-    ("8 then 7", 0.0), ("", 0.0), ("seven", 0.0), ("-7", 0.0), ("77", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("7", 1.0),
+        ("7 7 7", 1.0),
+        ("The digit is 7.", 1.0),
+        ("7.0", 1.0),
+        ("8 then 7", 0.0),
+        ("", 0.0),
+        ("seven", 0.0),
+        ("-7", 0.0),
+        ("77", 0.0),
+    ],
+)
 def test_copy_scorer_reads_the_first_number(text, expected):
     assert SCORERS["copy"](text, "7") == expected
 
 
 def test_registry_names():
-    assert {"openai/gsm8k", "gsm8k", "gsm8k_flexible", "gsm8k_lenient", "gsm8k_lenient_flexible",
-            "arith", "copy"} <= set(SCORERS)
+    assert {
+        "openai/gsm8k",
+        "gsm8k",
+        "gsm8k_flexible",
+        "gsm8k_lenient",
+        "gsm8k_lenient_flexible",
+        "arith",
+        "copy",
+    } <= set(SCORERS)
     scorer = RewardScorer()
     assert scorer.score("openai/gsm8k", "so 4. #### 4", "4") == 1.0
     assert scorer.score("gsm8k", "so 4.", "4") == 0.0  # strict by default
@@ -310,6 +346,7 @@ def test_reward_kwargs_are_passed_through(reward_file):
 def test_reward_timeout_scores_zero_and_is_counted(reward_file):
     scorer = RewardScorer(reward_file, "slow", timeout_s=0.2)
     import time
+
     start = time.perf_counter()
     results = scorer.score_batch([Sample("s", "slow", ""), Sample("s", "fast", "")])
     assert time.perf_counter() - start < 2.0
@@ -319,6 +356,7 @@ def test_reward_timeout_scores_zero_and_is_counted(reward_file):
 
 def test_reward_timeout_off_the_main_thread(reward_file):
     import threading
+
     box = {}
     scorer = RewardScorer(reward_file, "slow", timeout_s=0.2)
     worker = threading.Thread(target=lambda: box.update(r=scorer.score_batch([Sample("s", "slow", "")])))
@@ -334,8 +372,9 @@ def test_batched_reward_function(reward_file):
     assert [r.extras for r in results] == [{"len": 1}, {}, {"len": 2}]
     assert scorer.score_batch([]) == []
     with pytest.raises(UserError, match=r"batched_short .* returned 1 results for a batch of 2 samples"):
-        RewardScorer(reward_file, "batched_short", batched=True).score_batch([Sample("s", "a", "a", row=1),
-                                                                              Sample("s", "b", "b", row=2)])
+        RewardScorer(reward_file, "batched_short", batched=True).score_batch(
+            [Sample("s", "a", "a", row=1), Sample("s", "b", "b", row=2)]
+        )
     with pytest.raises(UserError, match=r"cannot be called as verl calls it.*data\.reward_fn_batched=false"):
         RewardScorer(reward_file, "compute_score", batched=True)
     with pytest.raises(UserError, match=r"data\.reward_fn_batched=true"):
@@ -344,9 +383,15 @@ def test_batched_reward_function(reward_file):
         RewardScorer(batched=True)
 
 
-@pytest.mark.parametrize("name, shown", [
-    ("returns_none", "None"), ("returns_nan", "nan"), ("returns_inf", "-inf"), ("returns_str", "'1.0'"),
-])
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("returns_none", "None"),
+        ("returns_nan", "nan"),
+        ("returns_inf", "-inf"),
+        ("returns_str", "'1.0'"),
+    ],
+)
 def test_bad_scores_stop_with_source_row_and_function(reward_file, name, shown):
     scorer = RewardScorer(reward_file, name)
     with pytest.raises(UserError) as info:
@@ -381,13 +426,22 @@ def test_builtin_scorer_choice(reward_file):
 
 def test_scorer_from_config(reward_file):
     from rlstack.config import load_config
-    cfg = load_config(None, ["data.synthetic=arith", f"data.reward_fn_file={reward_file}",
-                             "data.reward_fn_name=with_kwargs", "data.reward_kwargs.scale=3",
-                             "data.reward_timeout_s=2"])
+
+    cfg = load_config(
+        None,
+        [
+            "data.synthetic=arith",
+            f"data.reward_fn_file={reward_file}",
+            "data.reward_fn_name=with_kwargs",
+            "data.reward_kwargs.scale=3",
+            "data.reward_timeout_s=2",
+        ],
+    )
     assert cfg.data.reward_kwargs == {"scale": 3}
     scorer = RewardScorer.from_config(cfg.data)
     assert scorer.timeout_s == 2.0 and scorer.score("s", "ab", "") == 6.0
     from rlstack.config import ConfigError
+
     with pytest.raises(ConfigError, match="'data.reward_kwargs' expects a mapping"):
         load_config(None, ["data.synthetic=arith", "data.reward_kwargs=3"])
     with pytest.raises(ConfigError, match="'data.reward_scorer' is 'nope'"):
@@ -401,8 +455,11 @@ def test_custom_reward_load_errors(reward_file, tmp_path):
         load_custom_reward(reward_file, "score_it")
     with pytest.raises(UserError, match="not a function"):
         load_custom_reward(reward_file, "NOT_A_FUNCTION")
-    with pytest.raises(UserError, match=r"two_args\(solution_str, ground_truth\).*use the signature "
-                                        r"compute_score\(data_source, solution_str, ground_truth"):
+    with pytest.raises(
+        UserError,
+        match=r"two_args\(solution_str, ground_truth\).*use the signature "
+        r"compute_score\(data_source, solution_str, ground_truth",
+    ):
         load_custom_reward(reward_file, "two_args")
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")
@@ -412,9 +469,12 @@ def test_custom_reward_load_errors(reward_file, tmp_path):
 
 def test_extras_from_several_ranks_merge_by_sums(reward_file):
     from rlstack.rewards import merge_extras_sums
+
     scorer = RewardScorer(custom_file=reward_file)
     rank0 = extras_sums(scorer.score_batch([Sample("s", "4", "4"), Sample("s", "5", "4")]))
     rank1 = extras_sums(scorer.score_batch([Sample("s", "4", "4")]))
-    assert merge_extras_sums([rank0, rank1]) == {"reward_extra/acc": pytest.approx(2 / 3),
-                                                 "reward_extra/timed_out": 0.0}
+    assert merge_extras_sums([rank0, rank1]) == {
+        "reward_extra/acc": pytest.approx(2 / 3),
+        "reward_extra/timed_out": 0.0,
+    }
     assert merge_extras_sums([{}, rank1]) == {"reward_extra/acc": 1.0, "reward_extra/timed_out": 0.0}

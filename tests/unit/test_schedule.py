@@ -17,13 +17,24 @@ LR = 1e-3
 def _optimizer(min_lr: float):
     """A torch optimizer with parameter groups shaped like megatron's (max_lr, min_lr, wd_mult)."""
     w, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
-    return torch.optim.SGD([{"params": [w], "max_lr": LR, "min_lr": min_lr, "wd_mult": 1.0},
-                            {"params": [b], "max_lr": LR, "min_lr": min_lr, "wd_mult": 0.0}], lr=LR)
+    return torch.optim.SGD(
+        [
+            {"params": [w], "max_lr": LR, "min_lr": min_lr, "wd_mult": 1.0},
+            {"params": [b], "max_lr": LR, "min_lr": min_lr, "wd_mult": 0.0},
+        ],
+        lr=LR,
+    )
 
 
 def _schedule(style="constant", warmup=0, total=10, min_ratio=0.0, weight_decay=0.1):
-    settings = OptimSettings(lr=LR, weight_decay=weight_decay, lr_schedule=style, lr_warmup_steps=warmup,
-                             total_steps=total, min_lr_ratio=min_ratio)
+    settings = OptimSettings(
+        lr=LR,
+        weight_decay=weight_decay,
+        lr_schedule=style,
+        lr_warmup_steps=warmup,
+        total_steps=total,
+        min_lr_ratio=min_ratio,
+    )
     min_lr = LR * min_ratio if style == "cosine" else LR
     opt = _optimizer(min_lr)
     return LRSchedule(opt, settings), opt
@@ -71,13 +82,20 @@ def test_warmup_then_cosine_to_min_by_hand():
     assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]  # every group follows
 
 
-@pytest.mark.parametrize("style, warmup, total, min_ratio", [
-    ("constant", 3, 10, 0.0), ("cosine", 0, 8, 0.0), ("cosine", 3, 12, 0.2), ("cosine", 5, 6, 0.5),
-])
+@pytest.mark.parametrize(
+    "style, warmup, total, min_ratio",
+    [
+        ("constant", 3, 10, 0.0),
+        ("cosine", 0, 8, 0.0),
+        ("cosine", 3, 12, 0.2),
+        ("cosine", 5, 6, 0.5),
+    ],
+)
 def test_same_values_as_verl(style, warmup, total, min_ratio):
     schedule, _ = _schedule(style, warmup, total, min_ratio)
-    assert _lrs(schedule, total) == pytest.approx([_verl_lr(k, warmup, total, min_ratio, style)
-                                                  for k in range(total)], abs=1e-12)
+    assert _lrs(schedule, total) == pytest.approx(
+        [_verl_lr(k, warmup, total, min_ratio, style) for k in range(total)], abs=1e-12
+    )
 
 
 def test_weight_decay_is_kept_per_group():
@@ -119,12 +137,21 @@ def test_unknown_style():
 def test_config_keys():
     from rlstack.config import ConfigError, load_config
 
-    cfg = load_config(None, ["data.synthetic=arith", "algorithm.lr_schedule=cosine",
-                             "algorithm.actor_lr_warmup_steps=3", "algorithm.min_lr_ratio=0.1"])
+    cfg = load_config(
+        None,
+        [
+            "data.synthetic=arith",
+            "algorithm.lr_schedule=cosine",
+            "algorithm.actor_lr_warmup_steps=3",
+            "algorithm.min_lr_ratio=0.1",
+        ],
+    )
     assert cfg.algorithm.lr_schedule == "cosine" and cfg.algorithm.actor_lr_warmup_steps == 3
-    for bad, match in (("algorithm.lr_schedule=linear", "choose one of"),
-                       ("algorithm.min_lr_ratio=1.5", r"\[0, 1\]"),
-                       ("algorithm.actor_lr_warmup_steps=50", "exceed trainer.total_steps")):
+    for bad, match in (
+        ("algorithm.lr_schedule=linear", "choose one of"),
+        ("algorithm.min_lr_ratio=1.5", r"\[0, 1\]"),
+        ("algorithm.actor_lr_warmup_steps=50", "exceed trainer.total_steps"),
+    ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, ["data.synthetic=arith", bad])
 
@@ -134,8 +161,12 @@ def _role_lrs(hf_dir):
     from rlstack.workers.megatron_role import MegatronRole
 
     g = init_distributed(1, 1)
-    role = MegatronRole(hf_dir, g, torch.float32, optim=OptimSettings(
-        lr=LR, lr_schedule="cosine", lr_warmup_steps=2, total_steps=6, min_lr_ratio=0.5))
+    role = MegatronRole(
+        hf_dir,
+        g,
+        torch.float32,
+        optim=OptimSettings(lr=LR, lr_schedule="cosine", lr_warmup_steps=2, total_steps=6, min_lr_ratio=0.5),
+    )
     lrs = []
     for _ in range(7):
         lrs.append(sorted({grp["lr"] for grp in role.optimizer.param_groups}))
