@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(strip $(TORCH_INDEX_URL)),--extra-index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install lint test test-fast demo bench clean
 
 install: $(STAMP)
 
@@ -33,7 +33,12 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torch, megatron.core, transformers, vllm; print('installed: torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
-test: install
+# ruff's rules and formatter (ruff.toml); the version is pinned in setup.py's dev extra.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install

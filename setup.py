@@ -31,7 +31,7 @@ EXTRAS = {
     # PyTorch); never the unrelated PyPI package named `apex`.
     "gpu": ["transformer-engine[pytorch]"],
     "tracking": ["tensorboard", "matplotlib"],
-    "dev": ["pytest", "pytest-timeout"],
+    "dev": ["pytest", "pytest-timeout", "ruff==0.17.6"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("vllm", "gpu") for dep in deps})
 
