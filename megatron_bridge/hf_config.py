@@ -41,7 +41,6 @@ def read_config_file(path: str) -> dict:
         ) from None
     if not isinstance(config, dict):
         raise InputError(f"model config {path} must hold a JSON object: re-save the model")
-    check_hf_config(config, path)
     return config
 
 
@@ -85,8 +84,6 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, hf: Any, source: str = "config.json") -> ModelArgs:
         """From a transformers config object or its dict (config.json); `source` names it in errors."""
-        if isinstance(hf, dict):
-            check_hf_config(hf, source)
         get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
         archs = get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -95,6 +92,8 @@ class ModelArgs:
                 f"unsupported architecture {archs or get('model_type')}: rlstack supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Qwen2 families)"
             )
+        if isinstance(hf, dict):
+            check_hf_config(hf, source)
         _check_rope_scaling(get("rope_scaling"), get("rope_parameters"))
         heads = get("num_attention_heads")
         hidden = get("hidden_size")

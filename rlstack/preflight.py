@@ -49,7 +49,7 @@ def _get(cfg, key: str):
 
 def check_model_dir(path, key: str) -> None:
     """`path` is `default`, `tiny`, or a local HF directory with config.json, tokenizer and weights."""
-    from megatron_bridge.hf_config import read_hf_config
+    from megatron_bridge.hf_config import ModelArgs, read_hf_config
 
     if path in (None, "", "default", "tiny"):
         return
@@ -63,7 +63,7 @@ def check_model_dir(path, key: str) -> None:
         raise UserError(f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny`")
     if not os.path.isdir(path):
         raise UserError(f"{key}={path} is a file: pass the HF checkpoint directory that holds config.json")
-    read_hf_config(path)
+    ModelArgs.from_hf_config(read_hf_config(path), os.path.join(path, "config.json"))  # architecture, keys
     names = set(os.listdir(path))
     if not names.intersection(TOKENIZER_FILES):
         raise UserError(
