@@ -307,9 +307,16 @@ def translate(verl: dict[str, Any]) -> Translation:
 
 
 def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Keys whose translation depends on other keys; returns the verl keys handled here."""
     handled: set[str] = set()
-    n = int(merged[ROLLOUT + "n"])
-    # --- algorithm and critic
+    for part in (_algorithm, _schedules, _batches_and_paths, _engine, _data_keys, _rewards, _trainer_keys):
+        handled |= part(merged, given, t, src)
+    return handled
+
+
+def _algorithm(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Estimator, PPO-or-GRPO, clip ratios and the keys actor and critic share."""
+    handled: set[str] = set()
     estimator = merged["algorithm.adv_estimator"]
     if estimator == "grpo" and merged.get("algorithm.norm_adv_by_std_in_grpo") is False:
         t.set(
@@ -349,7 +356,12 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
     _shared(merged, given, t, src, ACTOR + "optim.weight_decay", "critic.optim.weight_decay", "algorithm.weight_decay")
     _shared(merged, given, t, src, ACTOR + "loss_agg_mode", "critic.loss_agg_mode", "algorithm.loss_agg_mode")
     handled |= {"critic.ppo_epochs", "critic.grad_clip", "critic.optim.weight_decay", "critic.loss_agg_mode"}
-    # --- schedules
+    return handled
+
+
+def _schedules(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """LR schedule style and warm-up."""
+    handled: set[str] = set()
     for key in (ACTOR + "optim.lr_scheduler_type", ACTOR + "optim.warmup_style"):
         if given.get(key) is not None:
             value = given[key]
@@ -369,7 +381,13 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
         if key in t.sources and merged[key] is not None and int(merged[key]) < 0:
             target = DIRECT[key]
             t.set(target, 0, src(key) + " (-1: use the warm-up ratio)")
-    # --- batch sizes
+    return handled
+
+
+def _batches_and_paths(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Batch sizes in rlstack units; model paths that are not local directories."""
+    handled: set[str] = set()
+    n = int(merged[ROLLOUT + "n"])
     _batch_sizes(merged, given, t, src, n)
     handled |= {
         ACTOR + "ppo_mini_batch_size",
@@ -388,7 +406,12 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
                 t.sources[target] += (
                     " -- not a local directory here: rlstack downloads nothing, point it at an HF directory"
                 )
-    # --- rollout engine
+    return handled
+
+
+def _engine(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Rollout engine and dtype."""
+    handled: set[str] = set()
     engine = given.get(ROLLOUT + "name")
     if engine is not None:
         if engine in ENGINES:
@@ -398,10 +421,20 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
         handled.add(ROLLOUT + "name")
     if merged.get("trainer.device", "cuda") != "cpu":
         t.set("model.dtype", "bfloat16", "verl trains and generates in bf16 on GPUs (set float32 on CPUs)")
-    # --- data
+    return handled
+
+
+def _data_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Prompt-length handling."""
+    handled: set[str] = set()
     _data(merged, given, t, src)
     handled |= {"data.truncation", "data.filter_overlong_prompts"}
-    # --- rewards
+    return handled
+
+
+def _rewards(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Reward manager and model-based rewards."""
+    handled: set[str] = set()
     manager = given.get("reward.reward_manager.name", given.get("reward_model.reward_manager"))
     if manager is not None:
         key = "reward.reward_manager.name" if "reward.reward_manager.name" in given else "reward_model.reward_manager"
@@ -420,7 +453,12 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
             )
         )
     handled |= {"reward_model.enable", "reward.reward_model.enable"}
-    # --- trainer
+    return handled
+
+
+def _trainer_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Trackers, step counts, validation/save frequency, resume."""
+    handled: set[str] = set()
     _trainer(merged, given, t, src)
     handled |= {
         "trainer.logger",
