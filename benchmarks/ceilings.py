@@ -173,8 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--memcpy-mib", type=int, default=256)
     p.add_argument("--json", default="", help="write the result here (else print it)")
     args = p.parse_args(argv)
-    with open(os.path.join(args.hf_dir, "config.json")) as f:
-        dims = ModelDims.from_hf_config(json.load(f))
+    dims = ModelDims.from_hf_dir(args.hf_dir)
     kwargs = dict(
         dims=dims,
         train_rows=args.train_rows,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -95,8 +94,9 @@ def describe_setup(args, cfg) -> dict:
 
 
 def model_label(cfg, hf_dir: str) -> str:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
+    from megatron_bridge.hf_config import read_hf_config
+
+    hf = read_hf_config(hf_dir)
     arch = (hf.get("architectures") or ["?"])[0]
     if cfg.model.path == "default":
         name = "SmolLM2-135M-Instruct (embedded default)"
@@ -110,8 +110,7 @@ def model_label(cfg, hf_dir: str) -> str:
 def model_info(hf_dir: str) -> dict:
     from benchmarks.flops import ModelDims
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        dims = ModelDims.from_hf_config(json.load(f))
+    dims = ModelDims.from_hf_dir(hf_dir)
     return {"dims": dataclasses.asdict(dims), "matmul_params": dims.matmul_params}
 
 

@@ -30,17 +30,23 @@ class ModelDims:
     vocab: int
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelDims:
-        heads = cfg["num_attention_heads"]
+    def from_args(cls, args) -> ModelDims:
+        """From the bridge's ModelArgs (megatron_bridge.hf_config: the one reader of config.json)."""
         return cls(
-            hidden=cfg["hidden_size"],
-            layers=cfg["num_hidden_layers"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn=cfg["intermediate_size"],
-            vocab=cfg["vocab_size"],
+            hidden=args.hidden_size,
+            layers=args.num_layers,
+            heads=args.num_attention_heads,
+            kv_heads=args.num_query_groups,
+            head_dim=args.head_dim,
+            ffn=args.ffn_hidden_size,
+            vocab=args.vocab_size,
         )
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str) -> ModelDims:
+        from megatron_bridge.hf_config import ModelArgs, read_hf_config
+
+        return cls.from_args(ModelArgs.from_hf_config(read_hf_config(hf_dir), hf_dir))
 
     def layer_linears(self, tp: int = 1) -> list[tuple[str, int, int]]:
         """(name, in_features, out_features) of one layer's matmuls on one of `tp` tensor-parallel ranks."""

@@ -29,8 +29,11 @@ def test_param_counts():
         "num_key_value_heads": 1,
         "intermediate_size": 8,
         "vocab_size": 10,
+        "architectures": ["LlamaForCausalLM"],
     }
-    assert ModelDims.from_hf_config(hf) == DIMS
+    from megatron_bridge.hf_config import ModelArgs
+
+    assert ModelDims.from_args(ModelArgs.from_hf_config(hf)) == DIMS
 
 
 def test_attention_flops_count_causal_pairs():
