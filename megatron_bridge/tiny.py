@@ -122,6 +122,8 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
+    elif spec.arch == "qwen3":  # Qwen3Config's own default is 128, not hidden / heads
+        common["head_dim"] = spec.hidden_size // spec.num_attention_heads
     if spec.rope_scaling is not None:
         # transformers 5 keeps rope_theta inside rope_parameters and writes that to config.json
         common["rope_parameters"] = {**spec.rope_scaling, "rope_theta": spec.rope_theta}

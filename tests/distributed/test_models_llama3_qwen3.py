@@ -16,6 +16,7 @@ import torch
 from tests.dist_utils import run_distributed, vllm_available
 from tests.distributed.test_bridge import _assert_bit_exact, _assert_transformers_loads_cleanly, _round_trip_worker
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-4
 SEQ_LEN = 32
 # Llama 3.1's low/high frequency factors with factor 8, and Llama 3.2's factor 32 with other
@@ -271,3 +272,16 @@ def test_vllm_engine_sync_matches_actor(tiny_cache, family):
     per_rank = run_distributed(_sync_worker, 2, [hf_dir], 2, 1, "vllm", timeout=300)
     _assert_synced(per_rank)
     print("vllm engine diffs:", [[r["diff"] for r in results] for results in per_rank])
+
+
+def test_tiny_qwen3_from_the_config(tiny_cache):
+    """`model.path: tiny` with `model.tiny.arch=qwen3`: head_dim hidden / heads (not Qwen3Config's 128)."""
+    import dataclasses
+
+    from megatron_bridge.hf import read_model_args, resolve_model_path
+    from rlstack.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "yaml_configs", "tiny_cpu.yaml"), ["model.tiny.arch=qwen3"])
+    hf_dir = resolve_model_path("tiny", dataclasses.asdict(cfg.model.tiny), cache_dir=tiny_cache)
+    args = read_model_args(hf_dir)
+    assert (args.arch, args.head_dim, args.qk_layernorm) == ("qwen3", 32, True)
