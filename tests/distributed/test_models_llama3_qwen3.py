@@ -285,6 +285,11 @@ def test_tiny_qwen3_from_the_config(tiny_cache):
     hf_dir = resolve_model_path("tiny", dataclasses.asdict(cfg.model.tiny), cache_dir=tiny_cache)
     args = read_model_args(hf_dir)
     assert (args.arch, args.head_dim, args.qk_layernorm) == ("qwen3", 32, True)
+    # the layout checks and the memory planner see the same shape without building the model
+    from rlstack.parallel import model_args_from_config
+
+    planned = model_args_from_config(cfg.model)
+    assert (planned.arch, planned.head_dim, planned.qk_layernorm) == (args.arch, args.head_dim, args.qk_layernorm)
 
 
 # ---------------------------------------------------------------- training at TP2 / PP2

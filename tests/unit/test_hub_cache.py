@@ -60,6 +60,19 @@ def test_hub_id_resolves_to_the_cached_snapshot(tmp_path, monkeypatch, tiny_qwen
     check_model_dir("org/tiny-qwen3", "model.path")  # preflight accepts it: config, tokenizer, weights
 
 
+def test_preflight_checks_the_layout_of_a_cached_hub_id(tmp_path, monkeypatch, tiny_qwen3):
+    from rlstack.config import load_config
+    from rlstack.preflight import preflight
+
+    _fill_cache(str(tmp_path / "hub"), tiny_qwen3)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    tiny_yaml = os.path.join(os.path.dirname(__file__), "..", "..", "yaml_configs", "tiny_cpu.yaml")
+    out = f"trainer.output_dir={tmp_path / 'out'}"
+    assert preflight(load_config(tiny_yaml, ["model.path=org/tiny-qwen3", out]), world_size=2).dims.dp == 2
+    with pytest.raises(InputError, match="4 attention heads"):  # the snapshot's config.json reached the checks
+        preflight(load_config(tiny_yaml, ["model.path=org/tiny-qwen3", "parallel.tp=3", out]), world_size=3)
+
+
 def test_copied_snapshot_without_refs_and_revisions(tmp_path, monkeypatch, tiny_qwen3):
     cache = str(tmp_path / "hub")
     only = _fill_cache(cache, tiny_qwen3, ref=None)
