@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, vllm_available
-from tests.distributed.test_bridge import _assert_bit_exact, _assert_transformers_loads_cleanly, _round_trip_worker
+from tests.distributed.test_bridge import (
+    _assert_bit_exact,
+    _assert_transformers_loads_cleanly,
+    _convert,
+    _round_trip_worker,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-4
@@ -223,6 +228,14 @@ def test_qwen3_hf_megatron_hf_round_trip_is_bit_exact(tiny_cache, tmp_path, tied
         assert flags == (True, False)
         _assert_bit_exact(src, out)
     _assert_transformers_loads_cleanly(out, src)
+
+
+def test_qwen3_convert_cli_round_trip_through_dist_checkpoint(tiny_cache, tmp_path):
+    """Saved at TP2 (q/k norms replicated in the dist checkpoint), exported at PP2: bit-exact."""
+    src, mcore, out = _qwen3(tiny_cache), str(tmp_path / "mcore"), str(tmp_path / "hf")
+    _convert("--hf-in", src, "--mcore-out", mcore, "--tp", "2", "--pp", "1")
+    _convert("--mcore-in", mcore, "--hf-out", out, "--tp", "1", "--pp", "2")
+    _assert_bit_exact(src, out)
 
 
 def test_llama3_round_trip_keeps_the_scaling(tiny_cache, tmp_path):
