@@ -49,8 +49,18 @@ MAX_SHARD_BYTES = 5 * 1024**3
 # ---------------------------------------------------------------- paths and config
 
 
+def local_model_dir(path: str) -> str:
+    """A local directory as is; a hub id (`org/name[@revision]`) -> its snapshot in the local HF cache."""
+    from megatron_bridge import hub_cache
+
+    if hub_cache.looks_like_hub_id(path):
+        return hub_cache.resolve_hub_id(path)
+    return path
+
+
 def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: Optional[str] = None) -> str:
-    """`default` -> the embedded SmolLM2 (provisioned once), `tiny` -> a tiny random model, else an HF dir."""
+    """`default` -> the embedded SmolLM2 (provisioned once), `tiny` -> a tiny random model, a hub id ->
+    its snapshot in the local Hugging Face cache (never downloaded), else an HF dir."""
     if path == "default":
         from megatron_bridge.default_model import ensure_default_model
 
@@ -59,10 +69,11 @@ def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: O
         from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
 
         return ensure_tiny_checkpoint(TinySpec(**(tiny_spec or {})), cache_dir=cache_dir)
+    path = local_model_dir(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise InputError(
             f"model path {path!r} is not an HF checkpoint directory (no config.json): pass a directory saved "
-            f"with save_pretrained, `default` (embedded SmolLM2-135M-Instruct) or `tiny`"
+            f"with save_pretrained, a hub id cached locally, `default` (embedded SmolLM2-135M-Instruct) or `tiny`"
         )
     return path
 
@@ -215,6 +226,7 @@ def build_megatron_from_hf(
     checkpoint has no such head)."""
     from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
+    hf_dir = local_model_dir(hf_dir)  # e.g. a critic_path given as a cached hub id
     args = read_model_args(hf_dir)
     check_layout(args, groups.dims)
     tp, pp = groups.dims.tp, groups.dims.pp
@@ -311,6 +323,7 @@ def save_hf(
 
 def copy_side_files(source_hf_dir: str, out_dir: str) -> None:
     """config.json, generation config, tokenizer (fast or SentencePiece), chat template: all but weights."""
+    source_hf_dir = local_model_dir(source_hf_dir)
     for name in sorted(os.listdir(source_hf_dir)):
         path = os.path.join(source_hf_dir, name)
         if name.startswith(".") or not os.path.isfile(path) or name.endswith(WEIGHT_SUFFIXES):

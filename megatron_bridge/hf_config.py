@@ -60,14 +60,29 @@ def check_hf_config(config: dict, source: str) -> None:
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# RoPE scaling types the builders and both rollout engines implement ("default" = none).
+SUPPORTED_ROPE_SCALING = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x RoPE scaling, with the checkpoint's own values (Llama 3.1: 8, 1, 4, 8192; 3.2: 32, ...)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
 class ModelArgs:
     """What the builders need from an HF config (plain numbers; no transformers import)."""
 
-    arch: str  # llama | qwen2
+    arch: str  # llama | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -80,6 +95,8 @@ class ModelArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim])
 
     @classmethod
     def from_hf_config(cls, hf: Any, source: str = "config.json") -> ModelArgs:
@@ -90,11 +107,16 @@ class ModelArgs:
         if arch is None:
             raise InputError(
                 f"unsupported architecture {archs or get('model_type')}: rlstack supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Qwen2 families)"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama, Qwen2 and Qwen3 dense families)"
             )
         if isinstance(hf, dict):
             check_hf_config(hf, source)
-        _check_rope_scaling(get("rope_scaling"), get("rope_parameters"))
+        rope_scaling = _check_rope_scaling(get("rope_scaling"), get("rope_parameters"), source)
+        if arch in ("qwen2", "qwen3") and get("use_sliding_window", False):
+            raise InputError(
+                f"model config {source} has use_sliding_window=true: sliding-window attention is not "
+                "supported; set it to false (full attention)"
+            )
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
         return cls(
@@ -111,6 +133,8 @@ class ModelArgs:
             max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            qk_layernorm=arch == "qwen3",
         )
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
@@ -126,10 +150,40 @@ def _rope_theta(get) -> float:
     return float(get("rope_theta", 10000.0))
 
 
-def _check_rope_scaling(scaling: Optional[dict], params: Optional[dict]) -> None:
-    kind = None
-    for source in (scaling, params):
-        if isinstance(source, dict):
-            kind = source.get("rope_type") or source.get("type") or kind
-    if kind not in (None, "default"):
-        raise InputError(f"rope scaling {kind!r} is not supported yet: use a model without rope_scaling")
+def _check_rope_scaling(scaling: Optional[dict], params: Optional[dict], source: str) -> Optional[RopeScaling]:
+    """The checkpoint's RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`), checked.
+
+    None for plain RoPE; a RopeScaling for `llama3`; InputError listing the supported types otherwise.
+    """
+    spec: dict = {}
+    for s in (scaling, params):  # rope_parameters (newer) wins over the legacy rope_scaling
+        if isinstance(s, dict):
+            spec = {**spec, **s}
+    kind = spec.get("rope_type") or spec.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise InputError(
+            f"model config {source}: rope scaling {kind!r} is not supported: supported types are "
+            f"{', '.join(SUPPORTED_ROPE_SCALING)} (use a checkpoint with one of them)"
+        )
+    if kind == "default":
+        return None
+    missing = [k for k in LLAMA3_ROPE_KEYS if spec.get(k) is None]
+    if missing:
+        raise InputError(
+            f"model config {source}: llama3 rope scaling lacks {', '.join(missing)}: add them to its "
+            "rope_scaling (Llama 3.1 uses factor 8, low_freq_factor 1, high_freq_factor 4, "
+            "original_max_position_embeddings 8192)"
+        )
+    values = {k: spec[k] for k in LLAMA3_ROPE_KEYS}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values.values()):
+        raise InputError(f"model config {source}: llama3 rope scaling values {values} must be positive numbers")
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise InputError(
+            f"model config {source}: llama3 rope scaling needs high_freq_factor > low_freq_factor, got {values}"
+        )
+    return RopeScaling(
+        factor=float(values["factor"]),
+        low_freq_factor=float(values["low_freq_factor"]),
+        high_freq_factor=float(values["high_freq_factor"]),
+        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
+    )

@@ -1,4 +1,4 @@
-"""Declarative HF <-> Megatron name maps for the Llama and Qwen2 families.
+"""Declarative HF <-> Megatron name maps for the Llama, Qwen2 and Qwen3 (dense) families.
 
 One declaration per architecture: a tuple of `Rule(hf names, megatron name, transform)` with a
 `{layer}` placeholder for per-layer tensors. Both directions (`megatron_to_hf_names`,
@@ -24,7 +24,7 @@ from typing import Optional
 from megatron_bridge.errors import InputError
 
 TRANSFORMS = ("replicate", "column", "row", "vocab", "qkv", "gate_up")
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3")
 
 _LAYER = "decoder.layers.{layer}."
 _HF_LAYER = "model.layers.{layer}."
@@ -33,7 +33,7 @@ _HF_LAYER = "model.layers.{layer}."
 @dataclass(frozen=True)
 class Rule:
     """One layout change. `shapes` are symbolic HF shapes: V vocab, H hidden, F ffn, Q q rows
-    (heads x head_dim), KV k/v rows (query groups x head_dim)."""
+    (heads x head_dim), KV k/v rows (query groups x head_dim), D head_dim."""
 
     hf: tuple[str, ...]
     megatron: str
@@ -87,9 +87,29 @@ QKV_BIAS = (
         when="qkv_bias",
     ),
 )
+# Qwen3: one RMSNorm weight [head_dim] shared by every q head, one by every k head (transformers'
+# Qwen3Attention q_norm / k_norm); megatron's qk_layernorm modules (hidden size = head_dim), the
+# same on every TP rank.
+QK_NORM = (
+    Rule(
+        (_HF_LAYER + "self_attn.q_norm.weight",),
+        _LAYER + "self_attention.q_layernorm.weight",
+        "replicate",
+        (("D",),),
+        when="qk_layernorm",
+    ),
+    Rule(
+        (_HF_LAYER + "self_attn.k_norm.weight",),
+        _LAYER + "self_attention.k_layernorm.weight",
+        "replicate",
+        (("D",),),
+        when="qk_layernorm",
+    ),
+)
 # Qwen2 is Llama plus QKV bias; Llama checkpoints with attention_bias=True also carry o_proj.bias,
 # which no rule consumes, so the loader rejects them by name (Megatron's Llama has no such bias).
-DECLARATIONS = {"llama": LLAMA + QKV_BIAS, "qwen2": LLAMA + QKV_BIAS}
+# Qwen3 is Llama plus q/k norms (no QKV bias unless attention_bias=True).
+DECLARATIONS = {"llama": LLAMA + QKV_BIAS, "qwen2": LLAMA + QKV_BIAS, "qwen3": LLAMA + QKV_BIAS + QK_NORM}
 # HF keys that carry no weights of their own and may appear in checkpoints.
 IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
@@ -118,6 +138,7 @@ def _applies(rule: Rule, args) -> bool:
         "tied": args.tie_word_embeddings,
         "untied": not args.tie_word_embeddings,
         "qkv_bias": args.qkv_bias,
+        "qk_layernorm": getattr(args, "qk_layernorm", False),
     }[rule.when]
 
 
@@ -128,6 +149,7 @@ def _dims(args) -> dict[str, int]:
         "F": args.ffn_hidden_size,
         "Q": args.num_attention_heads * args.head_dim,
         "KV": args.num_query_groups * args.head_dim,
+        "D": args.head_dim,
     }
 
 

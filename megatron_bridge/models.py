@@ -1,8 +1,9 @@
 """GPTModel builders for the actor (LM head), the critic (scalar value head) and the reference.
 
 Single-device model code: parallelism comes from Megatron's parallel layers, configured by the
-TransformerConfig; nothing here calls torch.distributed. Llama and Qwen2 families (RMSNorm, SwiGLU,
-RoPE with its theta, GQA, optional QKV bias, tied or untied embeddings).
+TransformerConfig; nothing here calls torch.distributed. Llama (2, 3.x with `llama3` RoPE scaling),
+Qwen2 and Qwen3 dense families (RMSNorm, SwiGLU, RoPE with its theta, GQA, optional QKV bias,
+Qwen3's per-head q/k RMSNorm and explicit head_dim, tied or untied embeddings).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=args.qkv_bias,
+        # Qwen3: also makes finalize_model_grads sum q/k norm grads over TP (each rank sees its own heads)
+        qk_layernorm=args.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -68,8 +71,13 @@ def transformer_config(
     )
 
 
-def layer_spec():
-    """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec."""
+def layer_spec(qk_layernorm: bool = False):
+    """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec.
+
+    `qk_layernorm` (Qwen3) puts an RMSNorm of hidden size head_dim on q and k, applied per head
+    before RoPE as transformers' Qwen3Attention does (megatron transformer/attention.py
+    `SelfAttention.get_query_key_value_tensors`).
+    """
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -81,8 +89,8 @@ def layer_spec():
         log.info("megatron layer spec: %s", "transformer-engine" if use_te else "local (torch)")
         _SPEC_LOGGED = True
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 def _have_transformer_engine() -> bool:
@@ -102,7 +110,7 @@ def build_gpt(
     tie = args.tie_word_embeddings and not value_head
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(args.qk_layernorm),
         vocab_size=padded_vocab,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -112,6 +120,8 @@ def build_gpt(
         position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
     )
+    if args.rope_scaling is not None:
+        set_rope_inv_freq_(model, args)
     if value_head and post_process:
         model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
     if config.bf16 or config.fp16:
@@ -124,6 +134,49 @@ def build_gpt(
         model.to(config.params_dtype)
     mark_tensor_parallel_(model)
     return model
+
+
+def rope_inv_freq(args) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2], with `llama3` scaling when the config has it.
+
+    The formula of transformers' `_compute_llama3_parameters` (modeling_rope_utils.py) with the
+    checkpoint's factor, low/high frequency factors and original max positions: wavelengths shorter
+    than original / high_freq_factor keep their frequency, longer than original / low_freq_factor
+    are divided by factor, those between are interpolated.
+    """
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+    rs = args.rope_scaling
+    if rs is None:
+        return inv_freq
+    old_len = rs.original_max_position_embeddings
+    low_freq_wavelen = old_len / rs.low_freq_factor
+    high_freq_wavelen = old_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def set_rope_inv_freq_(model, args) -> None:
+    """Replace the rotary module's frequencies with the checkpoint's `llama3` scaling.
+
+    megatron-core 0.16.1's `RotaryEmbedding(rope_scaling=True, rope_scaling_factor=f)`
+    (models/common/embeddings/rotary_pos_embedding.py `_apply_scaling`) takes only the factor and
+    fixes low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (Llama 3.1),
+    so any other checkpoint (Llama 3.2's factor 32 with its own values, fine-tunes) would be wrong.
+    `inv_freq` is a plain attribute read at each forward (`get_freqs_non_repeated`); `forward` is
+    lru-cached per sequence length, so the cache is cleared too. Every pipeline stage has its own.
+    """
+    rotary = model.rotary_pos_emb
+    inv_freq = rope_inv_freq(args).to(rotary.inv_freq.device)
+    assert rotary.inv_freq.shape == inv_freq.shape, (rotary.inv_freq.shape, inv_freq.shape)
+    rotary.inv_freq = inv_freq
+    cache_clear = getattr(type(rotary).forward, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def mark_tensor_parallel_(model) -> None:

@@ -1,8 +1,9 @@
 """Tiny HF checkpoints built locally: random weights, a tokenizer trained here, no download.
 
-Tests and `yaml_configs/tiny_cpu.yaml` (`model.path: tiny`) use these. Llama and Qwen2 variants
-exercise the bridge's layouts: GQA, tied or untied embeddings, QKV bias (Qwen2) and a vocabulary
-that is not a multiple of 128. head_dim is 32 by default because vLLM's CPU attention needs >= 32.
+Tests and `yaml_configs/tiny_cpu.yaml` (`model.path: tiny`) use these. Llama, Qwen2 and Qwen3
+variants exercise the bridge's layouts: GQA, tied or untied embeddings, QKV bias (Qwen2), q/k norms
+and an explicit head_dim (Qwen3), Llama 3.x RoPE scaling, and a vocabulary that is not a multiple
+of 128. head_dim is 32 by default because vLLM's CPU attention needs one of {32, 64, 80, ...}.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TOKENIZER_VOCAB = 300  # byte alphabet (256) + 3 specials + a few merges; not a 
 
 @dataclass
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # llama | qwen2 | qwen3
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -37,6 +38,11 @@ class TinySpec:
     seed: int = 0
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
+    # Optional fields: None leaves the checkpoint (and its cache key) as before they existed.
+    head_dim: Optional[int] = None  # None: hidden / heads; Qwen3 fixtures set e.g. 64 with hidden 128 / 4 heads
+    # e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    #       "original_max_position_embeddings": 64}
+    rope_scaling: Optional[dict] = None
 
 
 def _corpus() -> list[str]:
@@ -96,7 +102,7 @@ def make_tiny_checkpoint(out_dir: str, spec: Optional[TinySpec] = None) -> str:
 
 
 def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -114,17 +120,27 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
         bos_token_id=eos_id - 1,
         torch_dtype="float32",
     )
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
+    elif spec.arch == "qwen3":  # Qwen3Config's own default is 128, not hidden / heads
+        common["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    if spec.rope_scaling is not None:
+        # transformers 5 keeps rope_theta inside rope_parameters and writes that to config.json
+        common["rope_parameters"] = {**spec.rope_scaling, "rope_theta": spec.rope_theta}
+        del common["rope_theta"]
     if spec.arch == "llama":
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     if spec.arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
-    raise InputError(f"tiny model arch {spec.arch!r} is not supported: use llama or qwen2")
+    if spec.arch == "qwen3":
+        return Qwen3Config(use_sliding_window=False, attention_bias=False, **common)
+    raise InputError(f"tiny model arch {spec.arch!r} is not supported: use llama, qwen2 or qwen3")
 
 
 def _model_class(arch: str):
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
 
 
 def _perturb(model, seed: int) -> None:
@@ -134,7 +150,7 @@ def _perturb(model, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # input/post-attention/final norms, Qwen3's q_norm/k_norm
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
@@ -147,7 +163,8 @@ def default_cache_dir() -> str:
 def ensure_tiny_checkpoint(spec: Optional[TinySpec] = None, cache_dir: str | None = None) -> str:
     """The cached checkpoint for `spec`, built once (safe when several ranks call at once)."""
     spec = spec or TinySpec()
-    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    fields = {k: v for k, v in asdict(spec).items() if v is not None}  # unset optional fields: same key as before
+    key = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{spec.arch}-{key}")
     return build_once(
         path,

@@ -28,7 +28,7 @@ class ConfigError(UserError):
 class TinyModelConfig:
     """Shape of the tiny model built on the fly when `model.path: tiny` (random weights)."""
 
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # llama | qwen2 | qwen3
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4  # head_dim = hidden / heads; vLLM CPU needs head_dim >= 32
@@ -207,7 +207,7 @@ class ExperimentConfig:
 
 
 CHOICES = {
-    "model.tiny.arch": ("llama", "qwen2"),
+    "model.tiny.arch": ("llama", "qwen2", "qwen3"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),

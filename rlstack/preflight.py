@@ -48,18 +48,20 @@ def _get(cfg, key: str):
 
 
 def check_model_dir(path, key: str) -> None:
-    """`path` is `default`, `tiny`, or a local HF directory with config.json, tokenizer and weights."""
+    """`path` is `default`, `tiny`, a hub id cached locally (HF_HOME / HF_HUB_CACHE snapshot layout),
+    or a local HF directory with config.json, tokenizer and weights."""
+    from megatron_bridge import hub_cache
+    from megatron_bridge.errors import InputError
     from megatron_bridge.hf_config import ModelArgs, read_hf_config
 
     if path in (None, "", "default", "tiny"):
         return
+    if not os.path.exists(path) and hub_cache.looks_like_hub_id(path):
+        try:
+            path = hub_cache.resolve_hub_id(path)  # never downloads
+        except InputError as e:
+            raise UserError(f"{key}: {e}") from None
     if not os.path.exists(path):
-        if _looks_like_hub_id(path):
-            raise UserError(
-                f"{key}={path} is not a local directory, and rlstack never downloads models: on a "
-                f"machine with network run `huggingface-cli download {path} --local-dir DIR`, copy "
-                f"DIR here and set {key}=DIR"
-            )
         raise UserError(f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny`")
     if not os.path.isdir(path):
         raise UserError(f"{key}={path} is a file: pass the HF checkpoint directory that holds config.json")
@@ -75,11 +77,6 @@ def check_model_dir(path, key: str) -> None:
             f"{key}={path} has no {WEIGHT_FILES[0]} (or its index): save the model with "
             "save_pretrained(DIR, safe_serialization=True)"
         )
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
 
 
 # ----------------------------------------------------------------------------- data and rewards

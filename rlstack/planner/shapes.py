@@ -36,8 +36,10 @@ def tiny_hf_config(tiny) -> dict:
     """The config.json `megatron_bridge.tiny` writes for a `model.tiny` section (300-token vocabulary)."""
     from megatron_bridge.tiny import TOKENIZER_VOCAB, TinySpec
 
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[tiny.arch]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[tiny.arch]
+    extra = {"head_dim": tiny.hidden_size // tiny.num_attention_heads} if tiny.arch == "qwen3" else {}  # as tiny.py
     return {
+        **extra,
         "architectures": [arch],
         "hidden_size": tiny.hidden_size,
         "intermediate_size": tiny.intermediate_size,
@@ -63,7 +65,7 @@ def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[d
         if os.path.isfile(cached):
             return read_config_file(cached), cached
         return dict(SMOLLM2_135M_CONFIG), "embedded SmolLM2-135M-Instruct config"
-    path = os.path.join(model_cfg.path, "config.json")
+    path = os.path.join(_local_dir(model_cfg.path), "config.json")
     if not os.path.isfile(path):
         raise UserError(
             f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
@@ -74,7 +76,23 @@ def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[d
 
 def model_config_present(model_cfg) -> bool:
     """`default` and `tiny` always have a shape; an HF directory needs its config.json."""
-    return model_cfg.path in ("default", "tiny") or os.path.isfile(os.path.join(model_cfg.path, "config.json"))
+    return model_cfg.path in ("default", "tiny") or os.path.isfile(
+        os.path.join(_local_dir(model_cfg.path), "config.json")
+    )
+
+
+def _local_dir(path: str) -> str:
+    """A hub id cached locally -> its snapshot (megatron_bridge.hub_cache); anything else as is
+    (preflight's check_model_dir reports a hub id that is not cached)."""
+    from megatron_bridge import hub_cache
+    from megatron_bridge.errors import InputError
+
+    if hub_cache.looks_like_hub_id(path):
+        try:
+            return hub_cache.resolve_hub_id(path)
+        except InputError:
+            return path
+    return path
 
 
 def model_args(hf: dict, source: str):
