@@ -30,8 +30,10 @@ def preflight(cfg, world_size: int) -> Preflight:
     """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise."""
     from rlstack.parallel import check_layout
 
-    for key in ("model.path", "model.critic_path"):
+    for key in ("model.path", "model.critic_path", "reward_model.path"):
         check_model_dir(_get(cfg, key), key)
+    if cfg.reward_model.path:
+        check_reward_model_dir(cfg.reward_model.path)
     dims = check_layout(cfg, world_size)
     sources = check_data(cfg)
     check_reward(cfg, sources)
@@ -77,6 +79,23 @@ def check_model_dir(path, key: str) -> None:
         )
 
 
+def check_reward_model_dir(path: str, key: str = "reward_model.path") -> None:
+    """A 1-label Llama/Qwen2 `*ForSequenceClassification` directory, else one line naming the fix."""
+    from megatron_bridge.hf_config import ModelArgs, read_hf_config
+    from megatron_bridge.mappings import is_seq_cls_config, seq_cls_body_config
+
+    config = read_hf_config(path)
+    if not is_seq_cls_config(config):
+        archs = config.get("architectures") or [config.get("model_type")]
+        raise UserError(
+            f"{key}={path} is a {', '.join(map(str, archs))}, not a reward model: pass a "
+            "*ForSequenceClassification checkpoint with num_labels=1 (e.g. a critic exported with "
+            "`python -m rlstack.export --critic --critic-format seq-cls`)"
+        )
+    body = seq_cls_body_config(config, f"{key}={path}")  # InputError naming the architecture / num_labels fix
+    ModelArgs.from_hf_config(body, f"{key}={path}")
+
+
 def _looks_like_hub_id(path: str) -> bool:
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
@@ -109,7 +128,8 @@ def check_reward(cfg, data_sources: list) -> None:
     from rlstack.rewards import RewardScorer
 
     scorer = RewardScorer.from_config(cfg.data)
-    scorer.check_sources(data_sources)
+    if not cfg.reward_model.path:  # with a reward model, a source without a rule gets the RM's score alone
+        scorer.check_sources(data_sources)
 
 
 # ----------------------------------------------------------------------------- output directory
