@@ -239,6 +239,12 @@ def build_megatron_from_hf(
     from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
     args = read_model_args(hf_dir)
+    score_head = is_seq_cls_dir(hf_dir)
+    if score_head and not value_head:
+        raise InputError(
+            f"{hf_dir} is a sequence-classification checkpoint (no LM head): use it as "
+            "reward_model.path or model.critic_path, not as a language model"
+        )
     check_layout(args, groups.dims)
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
@@ -251,12 +257,6 @@ def build_megatron_from_hf(
         value_head=value_head,
     )
     has_value_head = isinstance(getattr(model, "output_layer", None), ValueHead)
-    score_head = is_seq_cls_dir(hf_dir)
-    if score_head and not value_head:
-        raise InputError(
-            f"{hf_dir} is a sequence-classification checkpoint (no LM head): use it as "
-            "reward_model.path or model.critic_path, not as a language model"
-        )
     skip = ("output_layer.weight",) if has_value_head else ()
     load_hf_weights(model, hf_dir, args, groups, skip=skip, score_head=score_head)
     if has_value_head and not score_head:
