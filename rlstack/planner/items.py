@@ -29,7 +29,7 @@ KV_HEADROOM = 1.1  # recommended vLLM share: KV need + 10%
 class Item:
     """One line of the plan: a role's tensor kind, its bytes per phase (absent: 0)."""
 
-    role: str  # actor | critic | reference | rollout | runtime
+    role: str  # actor | critic | reference | reward | rollout | runtime
     name: str
     bytes: dict
     transient: bool = False  # freed when its role's work in the phase ends
@@ -191,10 +191,10 @@ def reward_model_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     params = m.stage_params(rm_shape, dims.tp, dims.pp, stage, value_head=True)
     mb = m.Tokens(batch=cfg.reward_model.micro_batch_size, seq_len=s.train_mb.seq_len)
     return [
-        Item("reward_model", f"weights (frozen, {_count(params)} params)", _every(params * s.param_bytes)),
+        Item("reward", f"model weights (frozen, {_count(params)} params)", _every(params * s.param_bytes)),
         Item(
-            "reward_model",
-            f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
+            "reward",
+            f"model activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
             {"scoring": m.forward_only_bytes(rm_shape, dims.tp, mb, s.param_bytes, s.fused_attention)},
             transient=True,
         ),

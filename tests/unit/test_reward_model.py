@@ -184,3 +184,17 @@ def test_validate_only_accepts_a_reward_model_for_a_source_without_rule(tiny_rm,
         base + [f"reward_model.path={tiny_rm}"] + flags, cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_memory_plan_counts_the_reward_model(tiny_rm):
+    from rlstack.config import load_config
+    from rlstack.planner.build import plan_for_config
+
+    cfg = load_config(os.path.join(ROOT, "yaml_configs/tiny_cpu.yaml"))
+    without = plan_for_config(cfg, 2, 24, device="cpu", suggest=False)
+    cfg.reward_model.path = tiny_rm
+    plan = plan_for_config(cfg, 2, 24, device="cpu", suggest=False)
+    rm = [i for i in plan.items if i.role == "reward"]
+    assert [i.name.split(" (")[0] for i in rm] == ["model weights", "model activations"]
+    assert not any(i.role == "reward" for i in without.items)
+    assert plan.peak_bytes > without.peak_bytes
