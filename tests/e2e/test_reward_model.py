@@ -57,3 +57,31 @@ def test_rule_and_reward_model_mix_as_configured(tmp_path, tiny_rm):
         assert abs(r["reward/rm_mean"]) > 1e-3  # the RM contributes visibly
         expected = r["reward/rule_mean"] + weight * r["reward/rm_mean"]
         assert abs(r["reward/mean"] - expected) < 1e-5, (r["reward/mean"], expected)
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_rm(tmp_path_factory):
+    """A reward model whose tokenizer (vocabulary 280, another chat template) is not the actor's."""
+    from megatron_bridge import tiny
+
+    out = str(tmp_path_factory.mktemp("other_rm"))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tiny, "TOKENIZER_VOCAB", 280)
+    mp.setattr(tiny, "CHAT_TEMPLATE", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    try:
+        return tiny.make_tiny_reward_model(out, tiny.TinySpec(seed=4), score_scale=10.0)
+    finally:
+        mp.undo()
+
+
+def test_reward_model_with_another_tokenizer_retokenises(tmp_path, other_tokenizer_rm):
+    out = str(tmp_path / "other")
+    data = _chat_file(tmp_path / "chat.jsonl")
+    overrides = ["trainer.total_steps=3", f"reward_model.path={other_tokenizer_rm}", f"data.train_files=[{data}]"]
+    proc = torchrun_train(out, overrides)
+    assert (
+        "re-tokenising prompt + response with the reward model's tokenizer and chat template"
+        in proc.stdout + proc.stderr
+    )
+    rows = train_steps(read_metrics(out))
+    assert len(rows) == 3 and all(r["reward/rm_std"] > 0 for r in rows)
