@@ -37,10 +37,11 @@ PROBE = "Hello, world! What is 12 plus 30? #### 42\n<|im_start|>user\nCopy 7<|im
 
 def same_tokenizer(actor_tok, rm_tok, probe: str = PROBE) -> bool:
     """Do both tokenizers give the same ids (and vocabulary size)? Then token ids can be shared."""
-    if len(actor_tok) != len(rm_tok):
+    if len(actor_tok) != len(rm_tok) or actor_tok.eos_token_id != rm_tok.eos_token_id:
         return False
-    encode = lambda t: t(probe, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return encode(actor_tok) == encode(rm_tok) and actor_tok.eos_token_id == rm_tok.eos_token_id
+    return (
+        actor_tok(probe, add_special_tokens=False)["input_ids"] == rm_tok(probe, add_special_tokens=False)["input_ids"]
+    )
 
 
 def retokenize(rm_tok, messages: list, prompt_text: str, response_text: str) -> list[int]:
