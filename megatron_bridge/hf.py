@@ -23,10 +23,13 @@ from megatron_bridge.mappings import (
     ParamMap,
     hf_to_megatron_names,
     is_ignored_hf,
+    is_seq_cls_config,
     layer_offset,
     megatron_to_hf_names,
     owner_stage,
     param_maps,
+    score_head_map,
+    seq_cls_body_config,
     to_global_name,
     to_local_name,
 )
@@ -85,9 +88,18 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def read_model_args(hf_dir: str):
+    """The decoder's ModelArgs; a 1-label `*ForSequenceClassification` (reward model) reads as its body."""
     from megatron_bridge.models import ModelArgs
 
-    return ModelArgs.from_hf_config(read_hf_config(hf_dir))
+    config = read_hf_config(hf_dir)
+    if is_seq_cls_config(config):
+        config = seq_cls_body_config(config, os.path.join(hf_dir, "config.json"))
+    return ModelArgs.from_hf_config(config)
+
+
+def is_seq_cls_dir(hf_dir: str) -> bool:
+    """Is `hf_dir` a sequence-classification checkpoint (a reward model, or a critic exported as one)?"""
+    return is_seq_cls_config(read_hf_config(hf_dir))
 
 
 def check_layout(args, dims) -> None:
@@ -144,9 +156,13 @@ class SafetensorsReader:
         return s[:, piece.start : piece.stop]
 
 
-def check_hf_tensors(reader: SafetensorsReader, args, te_spec: bool = False) -> None:
-    """Every tensor the mapping needs is present with its expected shape, and nothing is left over."""
+def check_hf_tensors(reader: SafetensorsReader, args, te_spec: bool = False, extra: tuple[ParamMap, ...] = ()) -> None:
+    """Every tensor the mapping needs is present with its expected shape, and nothing is left over.
+
+    `extra`: maps outside the decoder declaration the caller also reads (a classifier's `score.weight`)."""
     by_hf = hf_to_megatron_names(args, te_spec)
+    for m in extra:
+        by_hf.update({name: [(m, i)] for i, name in enumerate(m.hf)})
     missing = sorted(n for n in by_hf if n not in reader.files)
     if missing:
         raise InputError(
@@ -184,15 +200,21 @@ def load_hf_weights(
     te_spec: Optional[bool] = None,
     divisible_by: int = 128,
     skip: tuple[str, ...] = (),
+    score_head: bool = False,
 ) -> None:
     """Fill one pipeline stage's GPTModel in place from an HF checkpoint, reading only owned slices.
 
     `skip`: local parameter names left alone (e.g. a value head's `output_layer.weight`).
+    `score_head`: the checkpoint is a sequence classifier; its `score.weight` fills the value head.
     """
     te_spec = uses_te_spec(model) if te_spec is None else te_spec
     reader = SafetensorsReader(hf_dir)
-    check_hf_tensors(reader, args, te_spec)
+    extra = (score_head_map(args),) if score_head else ()
+    check_hf_tensors(reader, args, te_spec, extra)
     maps = megatron_to_hf_names(args, te_spec)
+    if score_head and groups.is_last_stage:
+        maps[score_head_map(args).megatron] = score_head_map(args)
+        skip = tuple(n for n in skip if n != score_head_map(args).megatron)
     offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
     tp_rank, tp_size = groups.tp_rank, groups.dims.tp
     with torch.no_grad():
@@ -222,12 +244,19 @@ def build_megatron_from_hf(
 ):
     """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args).
 
-    With `value_head`, the last stage's scalar head is initialised from `value_head_seed` (the HF
-    checkpoint has no such head)."""
+    With `value_head`, the last stage's scalar head is initialised from `value_head_seed` when the HF
+    checkpoint has no such head, and read from its `score.weight` when it is a 1-label
+    `*ForSequenceClassification` (a reward model, or a critic exported in that form)."""
     from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
 
     hf_dir = local_model_dir(hf_dir)  # e.g. a critic_path given as a cached hub id
     args = read_model_args(hf_dir)
+    score_head = is_seq_cls_dir(hf_dir)
+    if score_head and not value_head:
+        raise InputError(
+            f"{hf_dir} is a sequence-classification checkpoint (no LM head): use it as "
+            "reward_model.path or model.critic_path, not as a language model"
+        )
     check_layout(args, groups.dims)
     tp, pp = groups.dims.tp, groups.dims.pp
     config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
@@ -240,8 +269,9 @@ def build_megatron_from_hf(
         value_head=value_head,
     )
     has_value_head = isinstance(getattr(model, "output_layer", None), ValueHead)
-    load_hf_weights(model, hf_dir, args, groups, skip=("output_layer.weight",) if has_value_head else ())
-    if has_value_head:
+    skip = ("output_layer.weight",) if has_value_head else ()
+    load_hf_weights(model, hf_dir, args, groups, skip=skip, score_head=score_head)
+    if has_value_head and not score_head:
         init_value_head_(model.output_layer, seed=value_head_seed)
     return model, args
 

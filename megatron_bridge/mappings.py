@@ -223,3 +223,55 @@ def owner_stage(m: ParamMap, args, pp_size: int) -> int:
     if m.layer is not None:
         return m.layer // (args.num_layers // pp_size)
     return 0 if m.megatron.startswith("embedding.") else pp_size - 1
+
+
+# ---------------------------------------------------------------- sequence-classification head
+
+# Reward models (and critics exported with `--critic-format seq-cls`) are HF
+# `*ForSequenceClassification` checkpoints: the decoder body under the usual `model.*` names, no
+# `lm_head`, and `score.weight` [num_labels=1, H] (no bias), which becomes the Megatron scalar head
+# (models.ValueHead, the last stage's `output_layer.weight`, replicated over TP).
+SEQ_CLS_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+}
+SCORE_HF, SCORE_MEGATRON = "score.weight", "output_layer.weight"
+
+
+def is_seq_cls_config(config: dict) -> bool:
+    """Does config.json describe a `*ForSequenceClassification` checkpoint (of any architecture)?"""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def num_labels(config: dict) -> int:
+    """transformers saves id2label (num_labels is derived from it); older files carry num_labels."""
+    if isinstance(config.get("id2label"), dict):
+        return len(config["id2label"])
+    return int(config.get("num_labels", 2))
+
+
+def seq_cls_body_config(config: dict, source: str) -> dict:
+    """The config of a 1-label sequence classifier's decoder body, as its `*ForCausalLM` would read.
+
+    InputError naming the fix for another architecture or label count. The body has no LM head,
+    so it is read as tied (no `lm_head.weight` rule); `score.weight` is loaded by `score_head_map`.
+    """
+    archs = [str(a) for a in config.get("architectures") or []]
+    arch = next((a for a in archs if a in SEQ_CLS_ARCHITECTURES), None)
+    if arch is None:
+        raise InputError(
+            f"{source}: architecture {archs or config.get('model_type')} is not a supported reward model: "
+            f"use a {' or '.join(SEQ_CLS_ARCHITECTURES)} checkpoint (num_labels=1)"
+        )
+    labels = num_labels(config)
+    if labels != 1:
+        raise InputError(
+            f"{source}: {arch} has num_labels={labels}, a reward model needs one scalar: "
+            "use a checkpoint saved with num_labels=1"
+        )
+    return dict(config, architectures=[SEQ_CLS_ARCHITECTURES[arch]], tie_word_embeddings=True)
+
+
+def score_head_map(args) -> ParamMap:
+    """`score.weight` [1, H] <-> the scalar head, owned by the last pipeline stage."""
+    return ParamMap(SCORE_MEGATRON, (SCORE_HF,), "replicate", ((1, args.hidden_size),), layer=None, export=False)

@@ -101,6 +101,42 @@ def make_tiny_checkpoint(out_dir: str, spec: Optional[TinySpec] = None) -> str:
     return out_dir
 
 
+def make_tiny_reward_model(out_dir: str, spec: Optional[TinySpec] = None, score_scale: float = 1.0) -> str:
+    """A random `LlamaForSequenceClassification` / `Qwen2ForSequenceClassification` (num_labels=1).
+
+    The reward-model format of OpenRLHF, verl and TRL: decoder body plus `score.weight` [1, H], read
+    at the last non-pad token (so pad_token_id is set). `score_scale` widens the random head so
+    scores differ visibly between responses.
+    """
+    import torch
+    from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
+
+    spec = spec or TinySpec()
+    tokenizer = make_tiny_tokenizer(out_dir)
+    config = _hf_config(spec, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    config.num_labels = 1
+    classes = {"llama": LlamaForSequenceClassification, "qwen2": Qwen2ForSequenceClassification}
+    torch.manual_seed(spec.seed)
+    model = classes[spec.arch](config)
+    _perturb(model, spec.seed)
+    with torch.no_grad():
+        model.score.weight.mul_(score_scale)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def ensure_tiny_reward_model(spec: Optional[TinySpec] = None, cache_dir: str | None = None) -> str:
+    """The cached tiny reward model for `spec` (built once, like `ensure_tiny_checkpoint`)."""
+    spec = spec or TinySpec()
+    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-rm-{spec.arch}-{key}")
+    return build_once(
+        path,
+        lambda tmp: make_tiny_reward_model(tmp, spec, score_scale=10.0),
+        required=("config.json", "model.safetensors", "tokenizer.json"),
+    )
+
+
 def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 

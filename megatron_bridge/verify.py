@@ -4,6 +4,9 @@
 
 Prints `max_abs_logit_diff=<value>` (largest |HF - Megatron| over the real tokens and the real
 vocabulary, float32) on rank 0; every rank exits 1 when a difference exceeds `--tol`.
+With `--reward-model` (a 1-label `*ForSequenceClassification`, e.g. a reward model) it prints
+`max_abs_score_diff` (transformers' pooled score vs the Megatron scalar head at the same token) and
+`max_abs_token_score_diff` (the head at every real token).
 
 Each comparison is one entry of `run_checks`; applications add their own through `extra_checks`
 (`python -m rlstack.verify ... --engine hf|vllm --rollout-tp K` adds the rollout engine's, after a
@@ -47,6 +50,11 @@ def build_parser(prog: str = "python -m megatron_bridge.verify") -> argparse.Arg
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per prompt (longer prompts are cut)")
     p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="--hf is a 1-label *ForSequenceClassification: compare its scores (value head) instead of logits",
+    )
     return p
 
 
@@ -148,6 +156,91 @@ def _gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:
     return torch.cat(parts, dim=-1)  # [B, S, padded V]
 
 
+# ---------------------------------------------------------------- reward models (sequence classifiers)
+
+
+@dataclass
+class HFScores:
+    pooled: torch.Tensor  # [B] transformers' `logits` (its score at the last non-pad token)
+    per_token: torch.Tensor  # [B, S] the `score` head at every position (a forward hook)
+    index: torch.Tensor  # [B] the position transformers pooled at
+
+
+def hf_seq_cls_scores(hf_dir: str, batch: Batch, device="cpu") -> HFScores:
+    """transformers' own `AutoModelForSequenceClassification` scores of the batch (float32, CPU)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
+    seen = {}
+    hook = model.score.register_forward_hook(lambda _m, _i, out: seen.update(per_token=out))
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids.to(device), attention_mask=padding_mask(batch).to(device))
+    hook.remove()
+    return HFScores(
+        pooled=out.logits[:, 0].float().cpu(),
+        per_token=seen["per_token"][..., 0].float().cpu(),
+        index=hf_pool_index(batch.input_ids, model.config.pad_token_id),
+    )
+
+
+def hf_pool_index(input_ids: torch.Tensor, pad_id: Optional[int]) -> torch.Tensor:
+    """[B, S] -> [B]: where transformers' ForSequenceClassification reads (rightmost non-pad token)."""
+    if pad_id is None:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, dtype=torch.long)
+    positions = torch.arange(input_ids.shape[1])
+    return (positions * (input_ids != pad_id)).argmax(-1)
+
+
+def megatron_scores(model, input_ids: torch.Tensor, groups, micro_batch_size: int = 1) -> torch.Tensor:
+    """The scalar head's output [B, S] on every rank of the replica (replicated over TP; PP-broadcast)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch_size, seq_len = input_ids.shape
+    micro = list(input_ids.to(groups.device).split(micro_batch_size))
+
+    def step(data_iterator, model):
+        tokens = next(data_iterator)
+        position_ids = torch.arange(seq_len, device=tokens.device).expand_as(tokens)
+        return model(tokens, position_ids, attention_mask=None), _keep_logits
+
+    model.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=len(micro),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    if groups.is_last_stage:
+        scores = torch.cat(outputs, dim=0)[..., 0].float().contiguous()  # [B, S, 1] -> [B, S]
+    else:
+        scores = torch.empty(batch_size, seq_len, device=groups.device)
+    if groups.dims.pp > 1:
+        dist.broadcast(scores, src=dist.get_global_rank(groups.pp, groups.dims.pp - 1), group=groups.pp)
+    return scores.cpu()
+
+
+def reward_model_checks(hf_dir: str, groups, batch: Batch, reference: Optional[HFScores]) -> dict[str, float]:
+    """{max |score diff| at the pooled position, over every real token} vs transformers (rank 0)."""
+    from megatron_bridge.hf import build_megatron_from_hf
+
+    model, _ = build_megatron_from_hf(hf_dir, groups, value_head=True)
+    scores = megatron_scores(model, batch.input_ids, groups)  # [B, S]
+    if groups.rank != 0:
+        return {}
+    pooled = scores.gather(1, reference.index[:, None])[:, 0]
+    mask = padding_mask(batch).bool()
+    return {
+        "max_abs_score_diff": (pooled - reference.pooled).abs().max().item(),
+        "max_abs_token_score_diff": (scores - reference.per_token).abs()[mask].max().item(),
+    }
+
+
 # ---------------------------------------------------------------- the command
 
 # An extra check an application adds (rlstack.verify adds the rollout engine's):
@@ -193,8 +286,12 @@ def main(argv=None, parser: Optional[argparse.ArgumentParser] = None, extra_chec
     groups = init_distributed(opts.tp, opts.pp)
     try:
         batch = make_batch(hf_dir, args.vocab_size, opts.seq_len)
-        reference = hf_logits(hf_dir, batch, groups.device) if groups.rank == 0 else None
-        results = run_checks(opts, hf_dir, groups, batch, reference, extra_checks)
+        if opts.reward_model:
+            reference = hf_seq_cls_scores(hf_dir, batch, groups.device) if groups.rank == 0 else None
+            results = reward_model_checks(hf_dir, groups, batch, reference)
+        else:
+            reference = hf_logits(hf_dir, batch, groups.device) if groups.rank == 0 else None
+            results = run_checks(opts, hf_dir, groups, batch, reference, extra_checks)
         failed = _report(results, opts.tol, groups)
     finally:
         destroy_distributed()

@@ -195,6 +195,17 @@ class LoggingConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model (rlstack.workers.reward_model): forward-only, colocated with the other roles."""
+
+    path: str = ""  # HF *ForSequenceClassification dir with num_labels=1 (Llama / Qwen2); "": off
+    weight: float = 1.0  # reward = rule + weight * rm (rule is 0 where no rule scorer applies)
+    normalize: bool = False  # standardise RM scores over the step's batch (all DP ranks) before weighting
+    clip: float = 0.0  # clip RM scores (after normalising) to [-clip, clip]; 0: off
+    micro_batch_size: int = 32  # sequences per RM forward micro-batch
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -204,6 +215,7 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 CHOICES = {
@@ -490,6 +502,8 @@ _RANGES = (
     ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("parallel.timeout_minutes", lambda v: v >= 0, ">= 0 (0: auto)"),
     ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("reward_model.clip", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("reward_model.micro_batch_size", lambda v: v >= 1, "at least 1"),
 )
 
 

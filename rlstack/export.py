@@ -6,7 +6,10 @@
 `--ckpt` is one checkpoint (`.../step_N`) or a checkpoints folder (its newest complete one); an
 incomplete checkpoint is refused. The actor becomes a `*ForCausalLM` directory that transformers
 loads as-is. With `--critic`, the critic becomes a `*ForTokenClassification` directory with one
-label (`score.weight` = the value head, no bias), whose per-token logits are the critic's values.
+label (`score.weight` = the value head, no bias), whose per-token logits are the critic's values;
+with `--critic-format seq-cls` a `*ForSequenceClassification` one instead (num_labels=1, the same
+`score.weight`, pad_token_id set), the reward-model format: `reward_model.path` or
+`model.critic_path` of a later run loads it, and transformers scores the last non-pad token.
 Weights come from the checkpoint's dist-checkpoint shards, resharded on load to `--tp/--pp`
 (default 1 x 1: one process is enough); config and tokenizer files come from the copy of the
 starting HF checkpoint stored inside the checkpoint.
@@ -25,6 +28,7 @@ from typing import Optional
 from rlstack.errors import UserError
 
 log = logging.getLogger("rlstack")
+CRITIC_FORMATS = ("token-cls", "seq-cls")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,6 +39,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="HF directory to write the actor to")
     parser.add_argument("--critic", action="store_true", help="also export the critic (PPO runs)")
     parser.add_argument("--critic-out", default="", help="critic HF directory (default: <out>-critic)")
+    parser.add_argument(
+        "--critic-format",
+        choices=CRITIC_FORMATS,
+        default="token-cls",
+        help="token-cls: *ForTokenClassification (values per token); seq-cls: *ForSequenceClassification "
+        "(num_labels=1, the reward-model format)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size to load at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at")
     parser.add_argument("--force", action="store_true", help="write into non-empty --out/--critic-out directories")
@@ -42,7 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def export_checkpoint(
-    ckpt: str, out: str, critic_out: Optional[str] = None, tp: int = 1, pp: int = 1, groups=None
+    ckpt: str,
+    out: str,
+    critic_out: Optional[str] = None,
+    tp: int = 1,
+    pp: int = 1,
+    groups=None,
+    critic_format: str = "token-cls",
 ) -> dict:
     """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
     from megatron_bridge.parallel import init_distributed
@@ -56,11 +73,11 @@ def export_checkpoint(
     groups = groups or init_distributed(tp, pp, backend="auto")
     written = {"actor": _export_role(path, "actor", out, groups)}
     if critic_out:
-        written["critic"] = _export_role(path, "critic", critic_out, groups)
+        written["critic"] = _export_role(path, "critic", critic_out, groups, critic_format)
     return written
 
 
-def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
+def _export_role(path: str, role: str, out: str, groups, critic_format: str = "token-cls") -> Optional[str]:
     from megatron_bridge.hf import gather_hf_state_dict, read_model_args, save_hf
     from rlstack import collectives
     from rlstack.checkpoint import HF_SOURCE, load_model_weights
@@ -82,7 +99,9 @@ def _export_role(path: str, role: str, out: str, groups) -> Optional[str]:
         state = gather_hf_state_dict(model, args, groups)
     if state is not None:
         save_hf(state, body_args if value_head else args, out, source)
-        if value_head:
+        if value_head and critic_format == "seq-cls":
+            _write_sequence_classification_config(out)
+        elif value_head:
             _write_token_classification_config(out)
         log.info("exported the %s of %s to %s", role, path, out)
     collectives.barrier(groups.world, groups.device)
@@ -137,6 +156,26 @@ def _write_token_classification_config(out: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def _write_sequence_classification_config(out: str) -> None:
+    """The reward-model form: transformers reads `score` at the last non-pad token, so pad_token_id is set."""
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    arch = config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    eos = config.get("eos_token_id")
+    pad = config.get("pad_token_id")
+    config.update(
+        architectures=[arch],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        pad_token_id=pad if pad is not None else (eos[0] if isinstance(eos, list) else eos),
+        tie_word_embeddings=False,
+    )
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def main(argv=None) -> int:
     from rlstack.observability.logging import setup_logging, user_error_guard
 
@@ -153,7 +192,9 @@ def _run(args) -> int:
     for flag, out in (("--out", args.out), ("--critic-out", critic_out)):
         _check_out_dir(flag, out, args.force)
     try:
-        written = export_checkpoint(args.ckpt, args.out, critic_out, tp=args.tp, pp=args.pp)
+        written = export_checkpoint(
+            args.ckpt, args.out, critic_out, tp=args.tp, pp=args.pp, critic_format=args.critic_format
+        )
     finally:
         destroy_distributed()
     for role, out in written.items():

@@ -139,7 +139,7 @@ SPECIAL: dict[str, str] = {
     "trainer.nnodes": "the launch: torchrun --nnodes",
     "reward.reward_manager.name": "data.reward_fn_batched (batch)",
     "reward_model.reward_manager": "data.reward_fn_batched (batch)",
-    "reward_model.enable": "(model-based rewards are not supported)",
+    "reward_model.enable": "reward_model.path (an HF *ForSequenceClassification dir, num_labels=1)",
 }
 
 # verl keys with no effect on what rlstack computes: accepted and listed, not translated.
@@ -449,7 +449,8 @@ def _rewards(merged: dict, given: dict, t: Translation, src: Callable[[str], str
         t.unsupported.append(
             (
                 "reward_model.enable=True",
-                "model-based rewards are not supported: use a rule or a custom reward function",
+                "not translated: set reward_model.path to the reward model's HF directory "
+                "(verl's reward_model.model.path; see docs/reward_model.md)",
             )
         )
     handled |= {"reward_model.enable", "reward.reward_model.enable"}

@@ -30,8 +30,10 @@ def preflight(cfg, world_size: int) -> Preflight:
     """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise."""
     from rlstack.parallel import check_layout
 
-    for key in ("model.path", "model.critic_path"):
+    for key in ("model.path", "model.critic_path", "reward_model.path"):
         check_model_dir(_get(cfg, key), key)
+    if cfg.reward_model.path:
+        check_reward_model_dir(cfg.reward_model.path)
     dims = check_layout(cfg, world_size)
     sources = check_data(cfg)
     check_reward(cfg, sources)
@@ -65,7 +67,12 @@ def check_model_dir(path, key: str) -> None:
         raise UserError(f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny`")
     if not os.path.isdir(path):
         raise UserError(f"{key}={path} is a file: pass the HF checkpoint directory that holds config.json")
-    ModelArgs.from_hf_config(read_hf_config(path), os.path.join(path, "config.json"))  # architecture, keys
+    from megatron_bridge.mappings import is_seq_cls_config, seq_cls_body_config
+
+    config, source = read_hf_config(path), os.path.join(path, "config.json")
+    if is_seq_cls_config(config):  # a reward model (or a critic exported as one): its decoder body
+        config = seq_cls_body_config(config, f"{key}={path}")
+    ModelArgs.from_hf_config(config, source)  # architecture, required keys
     names = set(os.listdir(path))
     if not names.intersection(TOKENIZER_FILES):
         raise UserError(
@@ -77,6 +84,23 @@ def check_model_dir(path, key: str) -> None:
             f"{key}={path} has no {WEIGHT_FILES[0]} (or its index): save the model with "
             "save_pretrained(DIR, safe_serialization=True)"
         )
+
+
+def check_reward_model_dir(path: str, key: str = "reward_model.path") -> None:
+    """A 1-label Llama/Qwen2 `*ForSequenceClassification` directory, else one line naming the fix."""
+    from megatron_bridge.hf_config import ModelArgs, read_hf_config
+    from megatron_bridge.mappings import is_seq_cls_config, seq_cls_body_config
+
+    config = read_hf_config(path)
+    if not is_seq_cls_config(config):
+        archs = config.get("architectures") or [config.get("model_type")]
+        raise UserError(
+            f"{key}={path} is a {', '.join(map(str, archs))}, not a reward model: pass a "
+            "*ForSequenceClassification checkpoint with num_labels=1 (e.g. a critic exported with "
+            "`python -m rlstack.export --critic --critic-format seq-cls`)"
+        )
+    body = seq_cls_body_config(config, f"{key}={path}")  # InputError naming the architecture / num_labels fix
+    ModelArgs.from_hf_config(body, f"{key}={path}")
 
 
 # ----------------------------------------------------------------------------- data and rewards
@@ -106,7 +130,8 @@ def check_reward(cfg, data_sources: list) -> None:
     from rlstack.rewards import RewardScorer
 
     scorer = RewardScorer.from_config(cfg.data)
-    scorer.check_sources(data_sources)
+    if not cfg.reward_model.path:  # with a reward model, a source without a rule gets the RM's score alone
+        scorer.check_sources(data_sources)
 
 
 # ----------------------------------------------------------------------------- output directory

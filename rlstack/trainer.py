@@ -54,6 +54,7 @@ class TrainerParts:
     engine: Any  # rlstack.rollout.base.RolloutEngine
     weight_sync: Any  # megatron_bridge.reshard.WeightSync (sync() -> SyncStats)
     kl_ctrl: Any
+    reward_model: Any = None  # rlstack.workers.reward_model.RewardModel, or None (reward_model.path empty)
 
 
 def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
@@ -64,6 +65,7 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     from rlstack.data.sampler import PromptSampler
     from rlstack.rewards import RewardScorer
     from rlstack.rollout.base import build_engine
+    from rlstack.workers.reward_model import build_reward_model
 
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir)
     tokenizer = stages.load_tokenizer(hf_dir)
@@ -77,10 +79,12 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
         dp_size=groups.dims.dp,
     )
     scorer = RewardScorer.from_config(cfg.data)
-    scorer.check_sources(train_set.data_sources())
-    if val_set is not None:
-        scorer.check_sources(val_set.data_sources())
+    if not cfg.reward_model.path:  # with a reward model, sources without a rule get the RM's score alone
+        scorer.check_sources(train_set.data_sources())
+        if val_set is not None:
+            scorer.check_sources(val_set.data_sources())
     actor, ref, critic = build_roles(cfg, groups, hf_dir)
+    reward_model = build_reward_model(cfg, groups, tokenizer, DTYPES[cfg.model.dtype])
     engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
     weight_sync = WeightSync(actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     a = cfg.algorithm
@@ -89,7 +93,19 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
         cfg,
         groups,
         TrainerParts(
-            hf_dir, tokenizer, train_set, val_set, sampler, scorer, actor, ref, critic, engine, weight_sync, kl_ctrl
+            hf_dir,
+            tokenizer,
+            train_set,
+            val_set,
+            sampler,
+            scorer,
+            actor,
+            ref,
+            critic,
+            engine,
+            weight_sync,
+            kl_ctrl,
+            reward_model,
         ),
     )
 
@@ -147,8 +163,10 @@ class Trainer:
         self.scorer = parts.scorer
         self.actor, self.ref, self.critic = parts.actor, parts.ref, parts.critic
         self.engine, self.weight_sync, self.kl_ctrl = parts.engine, parts.weight_sync, parts.kl_ctrl
+        self.reward_model = parts.reward_model
         self.step = 0
         self._reward_results: list = []
+        self._rm_metrics: dict = {}  # reward/rm_* of the last scoring (with a reward model)
 
     # ------------------------------------------------------------------ state
 
@@ -224,6 +242,7 @@ class Trainer:
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
         metrics.update(self._reward_extra_metrics(over_dp=True))
+        metrics.update(self._rm_metrics)
         self._check_finite(metrics)
         self.step += 1
         return metrics
@@ -420,15 +439,23 @@ class Trainer:
         for start in range(0, len(prompts), size):
             chunk, _ = self.generate(prompts[start : start + size], greedy=True)
             gens += [dataclasses.replace(g, prompt_index=g.prompt_index + start) for g in chunk]
-        metrics = val_accuracy(self._rewards(prompts, gens), [prompts[x.prompt_index].data_source for x in gens])
+        scores = self._rewards(prompts, gens, over_dp=False)
+        metrics = val_accuracy(scores, [prompts[x.prompt_index].data_source for x in gens])
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
+        metrics.update({"val/" + k: v for k, v in self._rm_metrics.items()})
         return metrics
 
-    def _rewards(self, prompts: list, gens: list) -> list[float]:
-        """Rule (or custom) score of each generated response; the results are kept for the extras metrics."""
-        self._reward_results = stages.score(self.scorer, self.tokenizer, prompts, gens)
-        return [r.score for r in self._reward_results]
+    def _rewards(self, prompts: list, gens: list, over_dp: bool = True) -> list[float]:
+        """Rule (or custom) score of each generated response, plus weight x the reward model's score when
+        there is one; the results are kept for the extras metrics. `over_dp`: the DP ranks hold
+        different samples (training), so RM normalisation and metrics reduce over them."""
+        if self.reward_model is None:
+            self._reward_results = stages.score(self.scorer, self.tokenizer, prompts, gens)
+            return [r.score for r in self._reward_results]
+        out = self.reward_model.rewards(self.scorer, self.tokenizer, prompts, gens, over_dp=over_dp)
+        self._reward_results, self._rm_metrics = out.results, out.metrics
+        return out.scores
 
     def _reward_extra_metrics(self, over_dp: bool) -> dict:
         """`reward_extra/<key>`: means of the custom reward function's numeric extra dict keys (and

@@ -27,6 +27,7 @@ class Prompt:
     data_source: str
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
+    messages: list = field(default_factory=list)  # the chat before the template (a reward model re-templates it)
 
 
 class PromptDataset:
@@ -49,7 +50,8 @@ class PromptDataset:
         for index, row in enumerate(rows):
             origin = row_origin(row, index)
             row = validate_row(row, origin, prompt_key)  # rows built in code get the same checks
-            ids = _tokenize(tokenizer, _messages(row[prompt_key], system_prompt), origin)
+            messages = _messages(row[prompt_key], system_prompt)
+            ids = _tokenize(tokenizer, messages, origin)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
                     raise UserError(
@@ -66,6 +68,7 @@ class PromptDataset:
                     data_source=row["data_source"],
                     ground_truth=str(row["reward_model"]["ground_truth"]),
                     extra_info=row["extra_info"],
+                    messages=messages,
                 )
             )
         if rows and not self.prompts:

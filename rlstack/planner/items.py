@@ -29,7 +29,7 @@ KV_HEADROOM = 1.1  # recommended vLLM share: KV need + 10%
 class Item:
     """One line of the plan: a role's tensor kind, its bytes per phase (absent: 0)."""
 
-    role: str  # actor | critic | reference | rollout | runtime
+    role: str  # actor | critic | reference | reward | rollout | runtime
     name: str
     bytes: dict
     transient: bool = False  # freed when its role's work in the phase ends
@@ -91,6 +91,8 @@ def stage_items(cfg, dims, shape, setting: Setting, device: str, budget: int, st
         items += trainable_items("critic", cfg, dims, shape, setting, stage, value_head=True)
     if setting.has_reference:
         items += reference_items(cfg, dims, shape, setting, stage)
+    if getattr(cfg, "reward_model", None) is not None and cfg.reward_model.path:
+        items += reward_model_items(cfg, dims, shape, setting, stage)
     engine, kv = engine_items(cfg, dims, shape, setting, device, budget)
     items += engine
     items += runtime_items(dims, cfg, shape, setting, device, items)
@@ -181,6 +183,38 @@ def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
             )
         )
     return items
+
+
+def reward_model_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
+    """The reward model: frozen weights (its own shape when its config.json is readable) and a forward."""
+    rm_shape = _reward_model_shape(cfg.reward_model.path, dims.tp) or shape
+    params = m.stage_params(rm_shape, dims.tp, dims.pp, stage, value_head=True)
+    mb = m.Tokens(batch=cfg.reward_model.micro_batch_size, seq_len=s.train_mb.seq_len)
+    return [
+        Item("reward", f"model weights (frozen, {_count(params)} params)", _every(params * s.param_bytes)),
+        Item(
+            "reward",
+            f"model activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
+            {"scoring": m.forward_only_bytes(rm_shape, dims.tp, mb, s.param_bytes, s.fused_attention)},
+            transient=True,
+        ),
+    ]
+
+
+def _reward_model_shape(path: str, tp: int):
+    import os
+
+    from megatron_bridge.hf_config import ModelArgs, read_config_file
+    from megatron_bridge.mappings import is_seq_cls_config, seq_cls_body_config
+    from rlstack.planner.shapes import shape_of
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    config = read_config_file(config_file)
+    if is_seq_cls_config(config):
+        config = seq_cls_body_config(config, config_file)
+    return shape_of(ModelArgs.from_hf_config(config, config_file), tp)
 
 
 def engine_items(cfg, dims, shape, s: Setting, device: str, budget: int):

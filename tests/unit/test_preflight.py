@@ -31,6 +31,8 @@ def _validate(*args):
         capture_output=True,
         text=True,
         timeout=60,
+        # an empty hub cache: a hub id must not resolve to whatever this machine has cached
+        env=dict(os.environ, HF_HUB_CACHE=os.path.join(ROOT, "tests", "assets", "no-hub-cache")),
     )
     return proc.returncode, [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
