@@ -55,9 +55,7 @@ def describe_setup(args, cfg) -> dict:
     device = "cuda" if torch.cuda.is_available() and cfg.parallel.backend != "gloo" else "cpu"
     nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
     dims = check_layout(cfg, nproc)
-    hf_dir = resolve_model_path(
-        cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir
-    )
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     seqs_per_rank = d.train_batch_size // dims.dp * r.n // (dims.tp * dims.pp) or 1

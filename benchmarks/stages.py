@@ -143,9 +143,7 @@ def run(args) -> dict:
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
-    hf_dir = resolve_model_path(
-        cfg.model.path, tiny_spec=dataclasses.asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir
-    )
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = load_tokenizer(hf_dir)
     train_set, _ = build_datasets(cfg.data, tokenizer)
     sampler = PromptSampler(

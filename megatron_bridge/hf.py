@@ -61,7 +61,7 @@ def local_model_dir(path: str) -> str:
     return path
 
 
-def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: Optional[str] = None) -> str:
+def resolve_model_path(path: str, tiny_spec=None, cache_dir: Optional[str] = None) -> str:
     """`default` -> the embedded SmolLM2 (provisioned once), `tiny` -> a tiny random model, a hub id ->
     its snapshot in the local Hugging Face cache (never downloaded), else an HF dir."""
     if path == "default":
@@ -71,7 +71,8 @@ def resolve_model_path(path: str, tiny_spec: Optional[dict] = None, cache_dir: O
     if path == "tiny":
         from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
 
-        return ensure_tiny_checkpoint(TinySpec(**(tiny_spec or {})), cache_dir=cache_dir)
+        spec = tiny_spec if isinstance(tiny_spec, TinySpec) else TinySpec(**(tiny_spec or {}))
+        return ensure_tiny_checkpoint(spec, cache_dir=cache_dir)
     path = local_model_dir(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise InputError(

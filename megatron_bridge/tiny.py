@@ -28,6 +28,8 @@ TOKENIZER_VOCAB = 300  # byte alphabet (256) + 3 specials + a few merges; not a 
 
 @dataclass
 class TinySpec:
+    """Shape of a tiny random-weight model (`model.path: tiny`; head_dim >= 32 for vLLM CPU attention)."""
+
     arch: str = "llama"  # llama | qwen2 | qwen3
     hidden_size: int = 128
     num_layers: int = 2

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_bridge.tiny import TinySpec  # the tiny model's shape: one type, the bridge's (torch-free)
 from rlstack.algorithms import names as algorithm_names  # torch-free name lists of the registries
 from rlstack.errors import UserError
 
@@ -25,26 +26,12 @@ class ConfigError(UserError):
 
 
 @dataclass
-class TinyModelConfig:
-    """Shape of the tiny model built on the fly when `model.path: tiny` (random weights)."""
-
-    arch: str = "llama"  # llama | qwen2 | qwen3
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_attention_heads: int = 4  # head_dim = hidden / heads; vLLM CPU needs head_dim >= 32
-    num_key_value_heads: int = 2
-    intermediate_size: int = 256
-    tie_word_embeddings: bool = True
-    seed: int = 0
-
-
-@dataclass
 class ModelConfig:
     """Which model the actor, critic and reference start from."""
 
     path: str = "default"  # HF directory, `default` (embedded SmolLM2-135M-Instruct) or `tiny`
     critic_path: Optional[str] = None  # critic's starting weights; None: the actor's
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    tiny: TinySpec = field(default_factory=TinySpec)  # shape of `model.path: tiny` (random weights)
     dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
     cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
     gradient_checkpointing: bool = False  # megatron full activation recompute in training
@@ -387,7 +374,7 @@ def _coerce(tp, value: Any, key: str):
         if value is None:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
-    if origin is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
+    if origin is dict or tp is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"'{key}' expects a mapping like {{name: value}}, got {value!r}")
         return dict(value)

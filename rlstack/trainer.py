@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -67,7 +67,7 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     from rlstack.rollout.base import build_engine
     from rlstack.workers.reward_model import build_reward_model
 
-    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=asdict(cfg.model.tiny), cache_dir=cfg.model.cache_dir)
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = stages.load_tokenizer(hf_dir)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
     sampler = PromptSampler(
