@@ -248,7 +248,7 @@ def build_megatron_from_hf(
     With `value_head`, the last stage's scalar head is initialised from `value_head_seed` when the HF
     checkpoint has no such head, and read from its `score.weight` when it is a 1-label
     `*ForSequenceClassification` (a reward model, or a critic exported in that form)."""
-    from megatron_bridge.models import ValueHead, build_gpt, init_value_head_, transformer_config
+    from megatron_bridge.models import ValueHead, build_stage, init_value_head_
 
     hf_dir = local_model_dir(hf_dir)  # e.g. a critic_path given as a cached hub id
     args = read_model_args(hf_dir)
@@ -259,16 +259,7 @@ def build_megatron_from_hf(
             "reward_model.path or model.critic_path, not as a language model"
         )
     check_layout(args, groups.dims)
-    tp, pp = groups.dims.tp, groups.dims.pp
-    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
-    model = build_gpt(
-        args,
-        config,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        padded_vocab=args.padded_vocab_size(tp),
-        value_head=value_head,
-    )
+    model = build_stage(args, groups, dtype=dtype, recompute=recompute, value_head=value_head)
     has_value_head = isinstance(getattr(model, "output_layer", None), ValueHead)
     skip = ("output_layer.weight",) if has_value_head else ()
     load_hf_weights(model, hf_dir, args, groups, skip=skip, score_head=score_head)

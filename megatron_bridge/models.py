@@ -228,3 +228,19 @@ def init_value_head_(head: ValueHead, seed: int = 0) -> None:
     with torch.no_grad():
         w = torch.randn(head.weight.shape, generator=gen) / math.sqrt(head.weight.shape[1])
         head.weight.copy_(w.to(head.weight.dtype))
+
+
+def build_stage(
+    args: ModelArgs, groups, dtype: torch.dtype = torch.float32, recompute: bool = False, value_head: bool = False
+):
+    """This rank's pipeline stage of the model at `groups`' TP x PP, weights not loaded."""
+    tp, pp = groups.dims.tp, groups.dims.pp
+    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
+    return build_gpt(
+        args,
+        config,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        padded_vocab=args.padded_vocab_size(tp),
+        value_head=value_head,
+    )

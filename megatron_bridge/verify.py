@@ -104,16 +104,12 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor) -> flo
 # ---------------------------------------------------------------- Megatron forward
 
 
-def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, micro_batch_size: int = 1) -> torch.Tensor:
-    """Full-vocabulary logits [B, S, vocab] on every rank of the model replica.
-
-    Runs megatron's forward-only schedule (pipelined over micro-batches at PP > 1), gathers the last
-    stage's vocabulary shards over TP, drops padded vocabulary columns and broadcasts over PP.
-    """
-    import torch.distributed as dist
+def _forward_only(model, input_ids: torch.Tensor, groups, micro_batch_size: int) -> list:
+    """Megatron's forward-only schedule over `input_ids` [B, S] in micro-batches: the last stage's
+    outputs per micro-batch (an empty list on other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    batch_size, seq_len = input_ids.shape
+    seq_len = input_ids.shape[1]
     micro = list(input_ids.to(groups.device).split(micro_batch_size))
 
     def step(data_iterator, model):
@@ -123,7 +119,7 @@ def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, mic
 
     model.eval()
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(micro),
             model=[model],
@@ -133,6 +129,18 @@ def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, mic
             forward_only=True,
             collect_non_loss_data=True,
         )
+
+
+def megatron_logits(model, input_ids: torch.Tensor, groups, vocab_size: int, micro_batch_size: int = 1) -> torch.Tensor:
+    """Full-vocabulary logits [B, S, vocab] on every rank of the model replica.
+
+    Runs megatron's forward-only schedule (pipelined over micro-batches at PP > 1), gathers the last
+    stage's vocabulary shards over TP, drops padded vocabulary columns and broadcasts over PP.
+    """
+    import torch.distributed as dist
+
+    batch_size, seq_len = input_ids.shape
+    outputs = _forward_only(model, input_ids, groups, micro_batch_size)
     if groups.is_last_stage:
         logits = _gather_vocab(torch.cat(outputs, dim=0), groups)[..., :vocab_size].contiguous()
     else:
@@ -194,28 +202,9 @@ def hf_pool_index(input_ids: torch.Tensor, pad_id: Optional[int]) -> torch.Tenso
 def megatron_scores(model, input_ids: torch.Tensor, groups, micro_batch_size: int = 1) -> torch.Tensor:
     """The scalar head's output [B, S] on every rank of the replica (replicated over TP; PP-broadcast)."""
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch_size, seq_len = input_ids.shape
-    micro = list(input_ids.to(groups.device).split(micro_batch_size))
-
-    def step(data_iterator, model):
-        tokens = next(data_iterator)
-        position_ids = torch.arange(seq_len, device=tokens.device).expand_as(tokens)
-        return model(tokens, position_ids, attention_mask=None), _keep_logits
-
-    model.eval()
-    with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=iter(micro),
-            model=[model],
-            num_microbatches=len(micro),
-            seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
+    outputs = _forward_only(model, input_ids, groups, micro_batch_size)
     if groups.is_last_stage:
         scores = torch.cat(outputs, dim=0)[..., 0].float().contiguous()  # [B, S, 1] -> [B, S]
     else:

@@ -110,18 +110,9 @@ def _export_role(path: str, role: str, out: str, groups, critic_format: str = "t
 
 def _build_empty(args, groups, value_head: bool):
     """One pipeline stage without initialising weights: the checkpoint fills every parameter."""
-    from megatron_bridge.models import build_gpt, transformer_config
+    from megatron_bridge.models import build_stage
 
-    tp, pp = groups.dims.tp, groups.dims.pp
-    config = transformer_config(args, tp, pp)
-    return build_gpt(
-        args,
-        config,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        padded_vocab=args.padded_vocab_size(tp),
-        value_head=value_head,
-    )
+    return build_stage(args, groups, value_head=value_head)
 
 
 def _value_head_on_rank0(model, args, groups):
