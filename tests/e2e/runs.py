@@ -63,3 +63,64 @@ NUMERIC_KEYS = (
     "actor/entropy",
     "critic/loss",
 )
+
+
+def kill_during_step_4(out_dir: str, overrides: list[str], config: str = "yaml_configs/tiny_cpu.yaml") -> None:
+    """Start a 2-rank run; once checkpoint 3 is published (step 4 then starts), SIGKILL every process of it."""
+    import time
+
+    from tests.dist_utils import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rlstack.train",
+        "--config",
+        config,
+        f"trainer.output_dir={out_dir}",
+        *overrides,
+    ]
+    latest = os.path.join(out_dir, "checkpoints", "latest")
+    with open(out_dir + ".killed.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 240
+            while _read(latest) != "step_00000003":
+                assert proc.poll() is None, f"the run ended before step 3 (exit {proc.returncode})"
+                assert time.time() < deadline, "no checkpoint of step 3 within 240 s"
+                time.sleep(0.02)
+            time.sleep(0.1)  # inside step 4 (a tiny step takes ~0.3 s plus its save)
+        finally:
+            kill_tree(proc.pid)
+            proc.wait()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process groups of torchrun and of every worker (torchrun starts each worker in a
+    new session, so killing torchrun's own group would leave the ranks running)."""
+    import signal
+
+    import psutil
+
+    tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for group in {os.getpgid(p.pid) for p in tree if p.is_running()}:
+        os.killpg(group, signal.SIGKILL)

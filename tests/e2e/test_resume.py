@@ -13,15 +13,10 @@
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.e2e.runs import ROOT, torchrun_train
+from tests.e2e.runs import kill_during_step_4, torchrun_train
 
 STEPS = "trainer.total_steps=6"
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds")  # wall-clock and memory readings
@@ -41,63 +36,6 @@ def _metrics(out_dir: str) -> dict[int, dict]:
             assert row["step"] not in rows, f"step {row['step']} logged twice"
             rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
     return rows
-
-
-def _kill_during_step_4(out_dir: str) -> None:
-    """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL all its processes."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "rlstack.train",
-        "--config",
-        "yaml_configs/tiny_cpu.yaml",
-        f"trainer.output_dir={out_dir}",
-        STEPS,
-        "checkpoint.save_every=1",
-    ]
-    latest = os.path.join(out_dir, "checkpoints", "latest")
-    with open(out_dir + ".killed.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.time() + 240
-            while _read(latest) != "step_00000003":
-                assert proc.poll() is None, f"the run ended before step 3 (exit {proc.returncode})"
-                assert time.time() < deadline, "no checkpoint of step 3 within 240 s"
-                time.sleep(0.02)
-            time.sleep(0.1)  # inside step 4 (a step takes ~0.3 s plus its save)
-        finally:
-            _kill_tree(proc.pid)
-            proc.wait()
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL the process groups of torchrun and of every worker (torchrun starts each worker in a
-    new session, so killing torchrun's own group would leave the ranks running)."""
-    import psutil
-
-    tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    groups = {os.getpgid(p.pid) for p in tree if p.is_running()}
-    for group in groups:
-        os.killpg(group, signal.SIGKILL)
 
 
 def _plant_broken_checkpoints(root: str) -> None:
@@ -123,7 +61,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     run = str(tmp_path / "run")
-    _kill_during_step_4(run)
+    kill_during_step_4(run, [STEPS, "checkpoint.save_every=1"])
     root = os.path.join(run, "checkpoints")
     assert not os.path.exists(os.path.join(root, "step_00000004")), "the kill came after step 4 was saved"
     _plant_broken_checkpoints(root)

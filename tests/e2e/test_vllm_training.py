@@ -10,14 +10,11 @@
 """
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.dist_utils import free_port, vllm_available
-from tests.e2e.runs import ROOT, read_metrics, torchrun_train, train_steps
+from tests.dist_utils import vllm_available
+from tests.e2e.runs import kill_during_step_4, read_metrics, torchrun_train, train_steps
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,47 +51,6 @@ def _metrics(out_dir: str) -> dict[int, dict]:
     return {m["step"]: {k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in read_metrics(out_dir)}
 
 
-def _kill_during_step_4(out_dir: str, overrides: list[str]) -> None:
-    """Start a run; once checkpoint 3 is published (step 4 then starts), SIGKILL every process of it."""
-    import psutil
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "rlstack.train",
-        "--config",
-        "yaml_configs/tiny_cpu.yaml",
-        f"trainer.output_dir={out_dir}",
-        *overrides,
-    ]
-    latest = os.path.join(out_dir, "checkpoints", "latest")
-    with open(out_dir + ".killed.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.time() + 240
-            while not (os.path.exists(latest) and open(latest).read().strip() == "step_00000003"):
-                assert proc.poll() is None, f"the run ended before step 3 (exit {proc.returncode})"
-                assert time.time() < deadline, "no checkpoint of step 3 within 240 s"
-                time.sleep(0.02)
-            time.sleep(0.1)
-        finally:  # torchrun starts each worker in its own session: kill every group of the tree
-            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-            for group in {os.getpgid(p.pid) for p in tree if p.is_running()}:
-                os.killpg(group, 9)
-            proc.wait()
-
-
 def _differences(a: dict, b: dict, rtol: float = 1e-6) -> list[str]:
     bad = sorted(set(a) ^ set(b))
     for key in sorted(set(a) & set(b)):
@@ -116,7 +72,7 @@ def test_vllm_ppo_killed_run_resumes_exactly(tmp_path):
     assert all(expected[s]["critic/loss"] > 0 and expected[s]["sync/bytes"] > 0 for s in expected)
 
     run = str(tmp_path / "run")
-    _kill_during_step_4(run, [*ppo, "checkpoint.save_every=1"])
+    kill_during_step_4(run, [*ppo, "checkpoint.save_every=1"])
     root = os.path.join(run, "checkpoints")
     assert not os.path.exists(os.path.join(root, "step_00000004")), "the kill came after step 4 was saved"
     proc = torchrun_train(run, [*ppo, "checkpoint.save_every=1", "checkpoint.resume=auto"], timeout=300)
