@@ -44,8 +44,11 @@ test: install lint
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The demo starts afresh each time: its earlier output (metrics, checkpoints) is replaced.
+DEMO_ARGS ?= trainer.overwrite=true
+
 demo: install
-	bash launch/ppo.sh yaml_configs/smollm2_arith_cpu.yaml
+	bash launch/ppo.sh yaml_configs/smollm2_arith_cpu.yaml $(DEMO_ARGS)
 
 bench: install
 	$(PY) benchmarks/run.py --config yaml_configs/smollm2_arith_cpu.yaml
