@@ -90,7 +90,9 @@ def _build(out_dir: str, shape: str, dtype_name: str, seed: int) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of 0.5B parameters: seconds on a GPU
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(getattr(torch, dtype_name))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    from megatron_bridge.atomic import save_pretrained_here
+
+    save_pretrained_here(model, out_dir)
 
 
 def main(argv=None) -> int:

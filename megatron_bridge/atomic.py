@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,12 +62,37 @@ def _try_lock(lock: str) -> bool:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        if time.time() - _mtime(lock) > 3600:  # a builder died an hour ago: take over
-            os.unlink(lock)
+        # The builder died (killed by torchrun after another rank failed, say): its lock is stale at
+        # once when its pid is gone from this host, and in any case after an hour.
+        if not _holder_alive(lock) or time.time() - _mtime(lock) > 3600:
+            try:
+                os.unlink(lock)
+            except FileNotFoundError:
+                pass
             return _try_lock(lock)
         return False
-    os.write(fd, str(os.getpid()).encode())
+    os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
     os.close(fd)
+    return True
+
+
+def _holder_alive(lock: str) -> bool:
+    """Whether the process named in `lock` ("host pid") still runs; a lock of another host (a shared
+    cache directory), or one being written, counts as alive."""
+    try:
+        with open(lock) as f:
+            host, pid = f.read().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return True
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
@@ -88,3 +114,17 @@ def _wait_for(path: str, lock: str, build, timeout_s: float, required: tuple = (
     raise TimeoutError(
         f"waited {timeout_s:.0f}s for {path} to be built (lock {lock}): remove the lock if its builder died"
     )
+
+
+def save_pretrained_here(model, out_dir: str) -> None:
+    """`model.save_pretrained(out_dir)` that writes on whichever rank calls it.
+
+    transformers 5.x (`distributed/mixin.py` `should_save_on_this_rank`) silently skips the weights
+    and config.json on every torch.distributed rank but 0; a cache entry is built by whichever rank
+    wins the lock, so without this a rank-1 build published only the tokenizer files.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # instance attribute: this call only
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        del model.should_save_on_this_rank

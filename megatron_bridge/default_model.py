@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from megatron_bridge.atomic import build_once
+from megatron_bridge.atomic import build_once, save_pretrained_here
 from megatron_bridge.errors import InputError
 from megatron_bridge.tiny import default_cache_dir
 
@@ -51,7 +51,7 @@ def convert_gguf(out_dir: str) -> str:
     # A GGUF-loaded model carries a quantizer marker and save_pretrained refuses it; the weights are
     # already dequantised to float32, so clearing the marker is exact.
     model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_pretrained_here(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

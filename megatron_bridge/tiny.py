@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from megatron_bridge.atomic import build_once
+from megatron_bridge.atomic import build_once, save_pretrained_here
 from megatron_bridge.errors import InputError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -99,7 +99,7 @@ def make_tiny_checkpoint(out_dir: str, spec: Optional[TinySpec] = None) -> str:
     torch.manual_seed(spec.seed)
     model = model_cls(config)
     _perturb(model, spec.seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_pretrained_here(model, out_dir)
     return out_dir
 
 
@@ -123,7 +123,7 @@ def make_tiny_reward_model(out_dir: str, spec: Optional[TinySpec] = None, score_
     _perturb(model, spec.seed)
     with torch.no_grad():
         model.score.weight.mul_(score_scale)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_pretrained_here(model, out_dir)
     return out_dir
 
 

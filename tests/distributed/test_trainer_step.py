@@ -179,3 +179,30 @@ def test_train_step_runs_on_injected_parts_with_a_fake_engine(tmp_path, tiny_cac
     assert out["reward"] == 0.1, out
     assert out["moved"] > 0  # the actor stepped on the scripted samples
     assert out["rollout_diff"] > 0.1  # the scripted -1.0 log-probs are not the actor's: the check sees it
+
+
+# ----------------------------------------------------------------------------- cache entries built by any rank
+
+
+def _build_on_rank1(cache):
+    """With torch.distributed up, only rank 1 builds the tiny checkpoint (rank 0 waits for it)."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        ensure_tiny_checkpoint(TinySpec(seed=123), cache_dir=cache)
+    dist.barrier()
+    path = ensure_tiny_checkpoint(TinySpec(seed=123), cache_dir=cache)
+    return sorted(os.listdir(path))
+
+
+def test_a_cache_entry_built_on_rank_1_is_complete(tmp_path):
+    # transformers 5 writes save_pretrained's weights on torch.distributed rank 0 only: a rank-1 build
+    # once published the tokenizer files alone (megatron_bridge.atomic.save_pretrained_here).
+    files = run_distributed(_build_on_rank1, 2, str(tmp_path / "cache"), timeout=180)
+    assert files[0] == files[1]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files[0]), files[0]
