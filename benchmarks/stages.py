@@ -130,12 +130,9 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
 def run(args) -> dict:
     import torch
 
-    from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.parallel import init_distributed
     from rlstack.config import load_config
-    from rlstack.data.dataset import build_datasets
-    from rlstack.data.sampler import PromptSampler
-    from rlstack.stages import load_tokenizer
+    from rlstack.stages import build_data
 
     cfg = load_config(args.config, args.overrides)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -143,17 +140,7 @@ def run(args) -> dict:
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
-    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
-    tokenizer = load_tokenizer(hf_dir)
-    train_set, _ = build_datasets(cfg.data, tokenizer)
-    sampler = PromptSampler(
-        len(train_set),
-        cfg.data.train_batch_size,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        dp_rank=g.dp_rank,
-        dp_size=g.dims.dp,
-    )
+    hf_dir, tokenizer, train_set, _, sampler = build_data(cfg, g)  # the trainer's own data setup
     prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step
     lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]
     result = {
@@ -177,6 +164,14 @@ def run(args) -> dict:
     return result
 
 
+def _timeout(cfg) -> float:
+    import torch
+
+    from rlstack.config import timeout_minutes
+
+    return timeout_minutes(cfg, on_gpu=torch.cuda.is_available())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_bridge.parallel import destroy_distributed
@@ -193,11 +188,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _timeout(cfg) -> float:
-    import torch
-
-    from rlstack.config import timeout_minutes
-
-    return timeout_minutes(cfg, on_gpu=torch.cuda.is_available())

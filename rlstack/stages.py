@@ -29,6 +29,27 @@ def load_tokenizer(hf_dir: str):
     return tok
 
 
+def build_data(cfg, groups: ParallelGroups):
+    """(hf_dir, tokenizer, train set, val set, sampler) of the config, as the trainer and the benchmarks use them."""
+    from megatron_bridge.hf import resolve_model_path
+    from rlstack.data.dataset import build_datasets
+    from rlstack.data.sampler import PromptSampler
+
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
+    tokenizer = load_tokenizer(hf_dir)
+    train_set, val_set = build_datasets(cfg.data, tokenizer)
+    d = cfg.data
+    sampler = PromptSampler(
+        len(train_set),
+        d.train_batch_size,
+        seed=d.seed,
+        shuffle=d.shuffle,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dims.dp,
+    )
+    return hf_dir, tokenizer, train_set, val_set, sampler
+
+
 def sampling_params(cfg: RolloutConfig, step: int, greedy: bool):
     from rlstack.rollout.base import SamplingParams
 

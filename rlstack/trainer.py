@@ -59,25 +59,12 @@ class TrainerParts:
 
 def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     """Data, scorer, roles, rollout engine and weight sync for `cfg`, on `groups`."""
-    from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.reshard import WeightSync
-    from rlstack.data.dataset import build_datasets
-    from rlstack.data.sampler import PromptSampler
     from rlstack.rewards import RewardScorer
     from rlstack.rollout.base import build_engine
     from rlstack.workers.reward_model import build_reward_model
 
-    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
-    tokenizer = stages.load_tokenizer(hf_dir)
-    train_set, val_set = build_datasets(cfg.data, tokenizer)
-    sampler = PromptSampler(
-        len(train_set),
-        cfg.data.train_batch_size,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        dp_rank=groups.dp_rank,
-        dp_size=groups.dims.dp,
-    )
+    hf_dir, tokenizer, train_set, val_set, sampler = stages.build_data(cfg, groups)
     scorer = RewardScorer.from_config(cfg.data)
     if not cfg.reward_model.path:  # with a reward model, sources without a rule get the RM's score alone
         scorer.check_sources(train_set.data_sources())

@@ -138,13 +138,7 @@ class WandbTracker(Tracker):
         output_dir: Optional[str] = None,
         resume: bool = True,
     ):
-        try:
-            import wandb
-        except ImportError:
-            raise UserError(
-                "logging.trackers lists 'wandb' but wandb is not installed: "
-                "pip install wandb, or remove wandb from logging.trackers"
-            ) from None
+        wandb = _import_tracker("wandb")
         id_path = os.path.join(output_dir or ".", self.ID_FILE)
         run_id = _read_run_id(id_path) if resume else None
         self.resumed = run_id is not None
@@ -161,6 +155,19 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _import_tracker(name: str):
+    """The tracker's package, or one line saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise UserError(
+            f"logging.trackers lists '{name}' but {name} is not installed: pip install {name}, "
+            f"or remove {name} from logging.trackers"
+        ) from None
 
 
 class MlflowTracker(Tracker):
@@ -182,13 +189,7 @@ class MlflowTracker(Tracker):
         output_dir: Optional[str] = None,
         resume: bool = True,
     ):
-        try:
-            import mlflow
-        except ImportError:
-            raise UserError(
-                "logging.trackers lists 'mlflow' but mlflow is not installed: "
-                "pip install mlflow, or remove mlflow from logging.trackers"
-            ) from None
+        mlflow = _import_tracker("mlflow")
         self._mlflow = mlflow
         out = output_dir or "."
         if not os.environ.get("MLFLOW_TRACKING_URI"):
