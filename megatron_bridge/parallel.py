@@ -197,5 +197,155 @@ def destroy_distributed() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+    _restore_default_group()  # split placement: the world's own group again (see _set_default_group)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- split placement
+#
+# The last K ranks host only rollout engines; the first N - K ranks host the Megatron roles on their
+# own TP/PP/DP groups. Because the training ranks are 0..N-K-1, their global ranks are their ranks in
+# a world of N - K, so megatron-core 0.16.1's `parallel_state.initialize_model_parallel` builds the
+# right groups when it sees a world of N - K: it reads the world size once
+# (`world_size = torch.distributed.get_world_size()`, megatron/core/parallel_state.py:736) and builds
+# every rank list from it. `torch.distributed.new_group` is collective over the default group (gloo
+# and NCCL wait in a store barrier for every rank unless use_local_synchronization), so the rollout
+# ranks make the same calls: they belong to none of the groups and get GroupMember.NON_GROUP_MEMBER.
+
+
+@dataclass
+class SplitPlacement:
+    """Which ranks train and which only roll out; the groups that span each side."""
+
+    world_size: int
+    num_rollout: int
+    rank: int
+    train: Any  # ProcessGroup of the training ranks (a non-member handle on rollout ranks)
+    rollout: Any  # ProcessGroup of the rollout ranks (a non-member handle on training ranks)
+    full: Any  # every rank (batches and weights cross here): the world's own group
+    health: Any = None  # a gloo group of every rank (naming stalled ranks after a timeout)
+
+    @property
+    def num_train(self) -> int:
+        return self.world_size - self.num_rollout
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.num_train
+
+    @property
+    def train_ranks(self) -> list[int]:
+        return list(range(self.num_train))
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(self.num_train, self.world_size))
+
+
+class _WorldSeenAs:
+    """Within the block, `torch.distributed.get_world_size()` (no group) answers `size`."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.original = dist.get_world_size
+        dist.get_world_size = lambda group=None: self.size if group is None else self.original(group)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.get_world_size = self.original
+        return False
+
+
+def init_split_distributed(
+    tp: int,
+    pp: int,
+    dp: int,
+    rollout_ranks: int,
+    backend: str = "auto",
+    timeout_minutes: int = 30,
+    seed: int = 0,
+) -> tuple[Optional[ParallelGroups], SplitPlacement]:
+    """Start torch.distributed, megatron groups over the first N - K ranks, and the two side groups.
+
+    Returns (the training rank's ParallelGroups, whose `world` is the training ranks' group; None on
+    a rollout rank) and the SplitPlacement. Every rank calls this together.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_bridge import cpu_compat
+
+    cpu_compat.apply()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 < rollout_ranks < world_size:
+        raise InputError(
+            f"placement.rollout_ranks={rollout_ranks} must leave training ranks in a world of {world_size}: "
+            f"choose it from 1 to {world_size - 1}"
+        )
+    num_train = world_size - rollout_ranks
+    dims = ParallelDims.resolve(tp, pp, dp, num_train)
+    backend = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
+    with _WorldSeenAs(num_train):
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
+        )
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    train = dist.new_group(list(range(num_train)), timeout=timeout)
+    rollout = dist.new_group(list(range(num_train, world_size)), timeout=timeout)
+    health = dist.new_group(backend="gloo", timeout=timeout)
+    rank = dist.get_rank()
+    placement = SplitPlacement(world_size, rollout_ranks, rank, train, rollout, dist.group.WORLD, health)
+    if placement.is_rollout:
+        return None, placement
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    groups = _collect_groups(dims, local_rank, backend)
+    groups.world = train  # every "all ranks" reduction of the trainer spans the training ranks only
+    _set_default_group(train)
+    return groups, placement
+
+
+# megatron-core calls collectives on the default group in places that take no group argument
+# (dist_checkpointing's metadata exchange and barriers, e.g. `torch.distributed.all_gather_object`
+# in dist_checkpointing/validation.py and strategies/torch.py with process_group=None). On a
+# training rank of a split placement the default group is therefore the training ranks' group:
+# their global ranks equal their ranks in it, so megatron sees exactly a world of N - K. Traffic
+# to the rollout ranks names `SplitPlacement.full` explicitly. No group is created after the swap.
+_ORIGINAL_DEFAULT = None
+
+
+def _set_default_group(group) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    global _ORIGINAL_DEFAULT
+    if _ORIGINAL_DEFAULT is None:
+        _ORIGINAL_DEFAULT = c10d._world.default_pg
+    c10d._world.default_pg = group
+
+
+def _restore_default_group() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    global _ORIGINAL_DEFAULT
+    if _ORIGINAL_DEFAULT is not None:
+        c10d._world.default_pg = _ORIGINAL_DEFAULT
+        _ORIGINAL_DEFAULT = None
+
+
+def rollout_device(backend: str, local_rank: int):
+    """The device a rollout-only rank computes on (its GPU under NCCL, else the CPU)."""
+    import torch
+
+    return torch.device("cuda", local_rank) if pick_backend(backend) == "nccl" else torch.device("cpu")

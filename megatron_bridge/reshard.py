@@ -511,3 +511,178 @@ def _open_outboxes(groups, members: list[int], slot_numel: dict, dtype: torch.dt
     dist.barrier(group=groups.mp)
     os.unlink(path(groups.rank))
     return boxes, slot_numel
+
+
+# ---------------------------------------------------------------------- split placement transport
+#
+# With split placement (megatron_bridge.parallel.SplitPlacement) the engines live on rollout-only
+# ranks: the same plan (training TP/PP -> rollout TP) is executed across the two sides. Rollout rank
+# R (replica i, rollout TP rank j) reads every span of plan.tensors(j) from the training rank of DP
+# replica i % dp that holds it (replicas spread the sending), one packed message per (sender, reader)
+# and bucket, point-to-point over the default group. Only the spans a reader's tensors need travel.
+
+
+@dataclass
+class _SplitBucket:
+    sends: dict  # reader rank -> [span key] (on a training rank)
+    reads: dict  # source rank -> [(tensor index, Span, element offset)] (on a rollout rank)
+    zeros: list  # (tensor index, Span): vocabulary padding, filled locally
+    tensors: list  # this rollout rank's tensor indices in the bucket
+
+
+class SplitWeightSync:
+    """Training ranks -> rollout-only ranks. Every rank of the world calls `sync()` together.
+
+    `model`: the actor module on a training rank (None on a rollout rank); `engine`: the rollout
+    engine on a rollout rank (None on a training rank); `layout`: (train tp, pp, dp); `position`: this
+    training rank's (dp, tp, pp) rank (None on a rollout rank); `rollout_tp`: ranks per engine.
+    """
+
+    def __init__(
+        self, model, engine, args, placement, layout, position, rollout_tp: int, bucket_mb: float = 64, dtype=None
+    ):
+        if bucket_mb <= 0:
+            raise InputError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
+        self.placement, self.engine = placement, engine
+        self.train_tp, self.train_pp, self.train_dp = layout
+        self.rollout_tp = rollout_tp
+        self.params = {}
+        if model is not None:
+            while hasattr(model, "module"):
+                model = model.module
+            self.params = dict(model.named_parameters())
+        te_spec = any(n.endswith("layer_norm_weight") for n in self.params)
+        kind = "hf" if engine is None or engine.param_targets() is None or engine.kind != "vllm" else "vllm"
+        self.plan = plan_reshard(args, self.train_tp, self.train_pp, rollout_tp, kind, te_spec)
+        self.src_shapes = {(stage, name): shape for stage, name, shape in self.plan.sources}
+        self.dtype = dtype or (next(iter(self.params.values())).dtype if self.params else torch.float32)
+        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        trainers = _gather_split_layout(placement, layout, position)
+        self.buckets, self.total_bytes = self._schedule(trainers, int(bucket_mb * (1 << 20)))
+        self.last: Optional[SyncStats] = None
+
+    def _schedule(self, trainers: dict, bucket_bytes: int):
+        """trainers: (dp, tp, pp) -> global rank. Routes of every rollout rank, kept for this rank."""
+        pl, me = self.placement, self.placement.rank
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        of_group, size, index = [], 0, 0
+        for numel in self.plan.group_numel:
+            if size and size + numel * elem > bucket_bytes:
+                index, size = index + 1, 0
+            of_group.append(index)
+            size += numel * elem
+        buckets = [_SplitBucket({}, {}, [], []) for _ in range(index + 1)]
+        used, total = {}, 0
+        for reader in pl.rollout_ranks:
+            replica, j = divmod(reader - pl.num_train, self.rollout_tp)
+            dp = replica % self.train_dp
+            for i, t in enumerate(self.plan.tensors(j)):
+                b = buckets[of_group[t.group]]
+                if reader == me:
+                    b.tensors.append(i)
+                for s in t.spans:
+                    if s.src is None:
+                        if reader == me:
+                            b.zeros.append((i, s))
+                        continue
+                    q = trainers[(dp, 0 if s.src_tp is None else s.src_tp, s.src_pp)]
+                    key = (s.src, s.src_pp, s.axis, s.src_start, s.length)
+                    offset = used.get((of_group[t.group], q, reader), 0)
+                    used[(of_group[t.group], q, reader)] = offset + self._numel(key)
+                    total += self._numel(key) * elem
+                    if reader == me:
+                        b.reads.setdefault(q, []).append((i, s, offset))
+                    if q == me:
+                        b.sends.setdefault(reader, []).append(key)
+        return buckets, total
+
+    def _numel(self, key) -> int:
+        name, stage, axis, _, length = key
+        shape = self.src_shapes[(stage, name)]
+        return length * (1 if len(shape) == 1 else shape[1 - axis])
+
+    def sync(self) -> SyncStats:
+        """Send (training rank) or receive and write (rollout rank) every bucket; stats of the whole sync."""
+        start = time.perf_counter()
+        stats = SyncStats(bytes=self.total_bytes, bytes_received=self.total_bytes)
+        with torch.no_grad():
+            if self.engine is None:
+                for b in self.buckets:
+                    self._send(b, stats)
+            else:
+                self._receive_all(stats)
+        stats.seconds = time.perf_counter() - start
+        self.last = stats
+        return stats
+
+    def _send(self, b: _SplitBucket, stats: SyncStats) -> None:
+        import torch.distributed as dist
+
+        bufs = {}
+        for reader, keys in b.sends.items():
+            buf = torch.empty(sum(self._numel(k) for k in keys), dtype=self.dtype, device=self.device)
+            offset = 0
+            for name, _, axis, start, length in keys:
+                src = self.params[name].narrow(axis, start, length)
+                buf[offset : offset + src.numel()].view(src.shape).copy_(src)
+                offset += src.numel()
+            bufs[reader] = buf
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(t.numel() * t.element_size() for t in bufs.values()))
+        for req in [dist.isend(buf, reader, group=self.placement.full) for reader, buf in bufs.items()]:
+            req.wait()
+
+    def _receive_all(self, stats: SyncStats) -> None:
+        assert (self.placement.rank - self.placement.num_train) % self.rollout_tp == self.engine.tp_rank
+        mine = self.plan.tensors(self.engine.tp_rank)
+        targets = self.engine.param_targets()
+        if targets is not None:
+            missing = sorted({t.name for t in mine} - set(targets))
+            if missing:
+                raise ValueError(f"weight sync: the {self.engine.kind} engine has no tensor {missing[:4]}")
+            for b in self.buckets:
+                self._receive(b, lambda i: targets[mine[i].name], stats)
+            self.engine.weights_updated()
+            return
+
+        def staged():
+            for b in self.buckets:
+                out = {i: torch.empty(mine[i].shape, dtype=self.dtype) for i in b.tensors}
+                self._receive(b, out.__getitem__, stats)
+                for i in b.tensors:
+                    yield mine[i].name, out.pop(i)
+
+        self.engine.load_weights(staged())
+
+    def _receive(self, b: _SplitBucket, target: Callable[[int], torch.Tensor], stats: SyncStats) -> None:
+        import torch.distributed as dist
+
+        recvs = {
+            q: torch.empty(
+                sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in items),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for q, items in b.reads.items()
+        }
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(t.numel() * t.element_size() for t in recvs.values()))
+        requests = [dist.irecv(buf, q, group=self.placement.full) for q, buf in recvs.items()]
+        for i, s in b.zeros:
+            target(i).narrow(s.axis, s.dst_start, s.length).zero_()
+        for req in requests:
+            req.wait()
+        for q, items in b.reads.items():
+            for i, s, offset in items:
+                dst = target(i).narrow(s.axis, s.dst_start, s.length)
+                dst.copy_(recvs[q][offset : offset + dst.numel()].view(dst.shape))
+
+
+def _gather_split_layout(placement, layout, position) -> dict:
+    """(dp, tp, pp) -> global rank of every training rank, gathered once over the whole world."""
+    import torch.distributed as dist
+
+    every = [None] * placement.world_size
+    dist.all_gather_object(every, (placement.rank, position), group=placement.full)
+    table = {pos: rank for rank, pos in every if pos is not None}
+    tp, pp, dp = layout
+    assert len(table) == tp * pp * dp == placement.num_train, (table, layout)
+    return table

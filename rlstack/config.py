@@ -71,6 +71,9 @@ class RolloutConfig:
     max_model_len: int = 0  # vLLM: context limit; 0: max prompt + max new tokens
     enforce_eager: bool = True  # vLLM: skip CUDA graph capture (faster start)
     seed: int = 0  # sampling seed; each data-parallel rank uses seed + dp rank
+    # --- split placement (docs/placement.md)
+    staleness: int = 0  # with placement.rollout_ranks > 0: 1 = rollout ranks generate the next batch
+    # with the previous step's weights while training runs (one-step off-policy); 0 = synchronous
 
 
 @dataclass
@@ -115,6 +118,9 @@ class AlgorithmConfig:
     critic_lr_warmup_steps: int = 0  # 0: lr_warmup_ratio x trainer.total_steps
     lr_warmup_ratio: float = 0.0  # share of trainer.total_steps used to warm up when the steps are 0
     min_lr_ratio: float = 0.0  # cosine: the final lr as a share of actor_lr / critic_lr
+    # --- truncated importance sampling on rollout log-probs (rlstack/algorithms/rollout_is.py)
+    rollout_is: str = "none"  # none | token | sequence: weight min(exp(logp_old - logp_rollout), cap)
+    rollout_is_cap: float = 2.0  # truncation of the IS weight (TIS)
 
 
 @dataclass
@@ -193,6 +199,14 @@ class RewardModelConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which ranks host what (docs/placement.md)."""
+
+    rollout_ranks: int = 0  # 0: every role colocated on every rank; K > 0: the last K ranks host only
+    # rollout engines, the first world - K host actor, critic and reference on their own TP/PP/DP groups
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -203,6 +217,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 CHOICES = {
@@ -218,6 +233,7 @@ CHOICES = {
     "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "algorithm.lr_schedule": ("constant", "cosine"),
+    "algorithm.rollout_is": algorithm_names.ROLLOUT_IS_LEVELS,
     "data.truncation": ("error", "drop"),
     "trainer.on_nonfinite": ("stop", "skip"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -491,6 +507,10 @@ _RANGES = (
     ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward_model.clip", lambda v: v >= 0, ">= 0 (0: no clipping)"),
     ("reward_model.micro_batch_size", lambda v: v >= 1, "at least 1"),
+    # split placement and one-step-off-policy rollout (docs/placement.md)
+    ("placement.rollout_ranks", lambda v: v >= 0, ">= 0 (0: colocated)"),
+    ("rollout.staleness", lambda v: v in (0, 1), "0 (synchronous) or 1 (one step off-policy)"),
+    ("algorithm.rollout_is_cap", lambda v: v > 0, "> 0 (the truncation of the IS weight)"),
 )
 
 

@@ -16,6 +16,8 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
 
     _set_threads(cfg.parallel.threads_per_rank)
     p = cfg.parallel
+    if cfg.placement.rollout_ranks > 0:
+        return _run_split(cfg, dry_run, profile, config_yaml)
     groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
@@ -35,6 +37,43 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
             trackers.close()
         if trainer is not None:
             trainer.engine.close()
+        destroy_distributed()
+    return 0
+
+
+def _run_split(cfg, dry_run: bool, profile: bool, config_yaml: str) -> int:
+    """Split placement (rlstack/placement.py): rollout ranks serve requests, training ranks run the loop."""
+    import torch
+
+    from megatron_bridge.parallel import destroy_distributed, init_split_distributed, rollout_device
+    from rlstack.placement import run_rollout_rank
+
+    p = cfg.parallel
+    groups, placement = init_split_distributed(
+        p.tp, p.pp, p.dp, cfg.placement.rollout_ranks, p.backend, _timeout(cfg), seed=cfg.trainer.seed
+    )
+    _seed_all(cfg.trainer.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True)
+    trainer = trackers = None
+    try:
+        if placement.is_rollout:
+            from rlstack.observability.logging import setup_logging
+
+            setup_logging(cfg.trainer.output_dir, placement.rank, cfg.logging.level)
+            run_rollout_rank(cfg, placement, rollout_device(p.backend, int(os.environ.get("LOCAL_RANK", "0"))))
+            return 0
+        trainer, trackers = _start(cfg, groups, config_yaml, placement)
+        _seed_all(cfg.trainer.seed)
+        _loop(cfg, trainer, trackers, groups, dry_run, profile)
+        trainer.split.stop()
+    except Exception as e:
+        if _is_collective_timeout(e):
+            raise _stalled_ranks_error(e, placement.health, cfg, placement.rank) from e
+        raise
+    finally:
+        if trackers is not None:
+            trackers.close()
         destroy_distributed()
     return 0
 
@@ -76,7 +115,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _start(cfg, groups, config_yaml: str):
+def _start(cfg, groups, config_yaml: str, placement=None):
     from rlstack.observability.logging import setup_logging
     from rlstack.observability.trackers import build_trackers
     from rlstack.trainer import build_trainer
@@ -97,7 +136,7 @@ def _start(cfg, groups, config_yaml: str):
         groups.dims.world_size,
         "nccl" if groups.device.type == "cuda" else "gloo",
     )
-    trainer = build_trainer(cfg, groups)
+    trainer = build_trainer(cfg, groups, placement)
     from rlstack.config import to_dict
 
     trackers = build_trackers(

@@ -22,9 +22,14 @@ def model_args_from_config(model_cfg):
 
 
 def check_layout(cfg, world_size: int) -> ParallelDims:
-    """Static parallel checks of an experiment config (no process group, no model load)."""
+    """Static parallel checks of an experiment config (no process group, no model load).
+
+    With split placement the training layout is checked against the training ranks alone
+    (world - placement.rollout_ranks): the returned dims are the training ranks' own.
+    """
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size)
+    check_placement(cfg, world_size)
+    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size - cfg.placement.rollout_ranks)
     args = model_args_from_config(cfg.model)
     if args is not None:
         dims.check_model(args)
@@ -34,3 +39,45 @@ def check_layout(cfg, world_size: int) -> ParallelDims:
             f"data-parallel ranks: make it a multiple of {dims.dp}"
         )
     return dims
+
+
+# ---------------------------------------------------------------------- split placement
+
+
+def check_placement(cfg, world_size: int) -> None:
+    """placement.rollout_ranks=K and rollout.staleness against the world: one line naming the fix."""
+    k, r = cfg.placement.rollout_ranks, cfg.rollout
+    if k == 0:
+        if r.staleness:
+            raise UserError(
+                "rollout.staleness=1 needs rollout ranks of their own: set placement.rollout_ranks=K > 0 "
+                "(colocated roles take turns on the same ranks, nothing runs ahead)"
+            )
+        return
+    if k >= world_size:
+        raise UserError(
+            f"placement.rollout_ranks={k} leaves no training rank in a world of {world_size}: "
+            f"choose placement.rollout_ranks from 1 to {world_size - 1}"
+        )
+    p, train = cfg.parallel, world_size - k
+    if train % (p.tp * p.pp):
+        fits = [n for n in range(1, world_size) if (world_size - n) % (p.tp * p.pp) == 0]
+        raise UserError(
+            f"placement.rollout_ranks={k} leaves {train} training ranks, not divisible by parallel.tp * "
+            f"parallel.pp = {p.tp}*{p.pp}: choose placement.rollout_ranks from {fits} or change parallel.tp/pp"
+        )
+    if k % r.tp:
+        raise UserError(
+            f"rollout.tp={r.tp} does not divide placement.rollout_ranks={k}: each rollout engine spans "
+            f"rollout.tp rollout ranks; make placement.rollout_ranks a multiple of rollout.tp"
+        )
+    if r.engine != "hf":
+        raise UserError(
+            "placement.rollout_ranks > 0 runs the hf engine only so far (vLLM in-process builds its groups "
+            "collectively over every rank): set rollout.engine=hf or placement.rollout_ranks=0"
+        )
+    if r.verify_sync:
+        raise UserError(
+            "rollout.verify_sync probes a colocated engine: set rollout.verify_sync=0 with split placement "
+            "(the step's actor/rollout_diff_max still shows a stale engine)"
+        )

@@ -55,10 +55,15 @@ class TrainerParts:
     weight_sync: Any  # megatron_bridge.reshard.WeightSync (sync() -> SyncStats)
     kl_ctrl: Any
     reward_model: Any = None  # rlstack.workers.reward_model.RewardModel, or None (reward_model.path empty)
+    split: Any = None  # rlstack.placement.RolloutClient with split placement (engine None), else None
 
 
-def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
-    """Data, scorer, roles, rollout engine and weight sync for `cfg`, on `groups`."""
+def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -> Trainer:
+    """Data, scorer, roles, rollout engine and weight sync for `cfg`, on `groups`.
+
+    `placement` (megatron_bridge.parallel.SplitPlacement): split placement; the engines live on the
+    rollout ranks, reached through a RolloutClient, and the weight sync sends to them.
+    """
     from megatron_bridge.reshard import WeightSync
     from rlstack.rewards import RewardScorer
     from rlstack.rollout.base import build_engine
@@ -72,8 +77,14 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
             scorer.check_sources(val_set.data_sources())
     actor, ref, critic = build_roles(cfg, groups, hf_dir)
     reward_model = build_reward_model(cfg, groups, tokenizer, DTYPES[cfg.model.dtype])
-    engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    weight_sync = WeightSync(actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+    split = None
+    if placement is not None:
+        engine, weight_sync, split = None, *_split_parts(cfg, groups, placement, actor)
+    else:
+        engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        weight_sync = WeightSync(
+            actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb
+        )
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
     return Trainer(
@@ -93,8 +104,28 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
             weight_sync,
             kl_ctrl,
             reward_model,
+            split,
         ),
     )
+
+
+def _split_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement, actor: Actor):
+    """(sending weight sync, RolloutClient) of a training rank in split placement."""
+    from megatron_bridge.reshard import SplitWeightSync
+    from rlstack.placement import RolloutClient, split_layout
+
+    position = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
+    sync = SplitWeightSync(
+        actor.role.module,
+        None,
+        actor.role.args,
+        placement,
+        split_layout(cfg, placement),
+        position,
+        cfg.rollout.tp,
+        cfg.rollout.sync_bucket_mb,
+    )
+    return sync, RolloutClient(placement, sync, groups.device)
 
 
 def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
@@ -151,6 +182,8 @@ class Trainer:
         self.actor, self.ref, self.critic = parts.actor, parts.ref, parts.critic
         self.engine, self.weight_sync, self.kl_ctrl = parts.engine, parts.weight_sync, parts.kl_ctrl
         self.reward_model = parts.reward_model
+        self.split = parts.split
+        self.pending = None  # split, rollout.staleness=1: (prompt indices, RolloutBatch) of the next step
         self.step = 0
         self._reward_results: list = []
         self._rm_metrics: dict = {}  # reward/rm_* of the last scoring (with a reward model)
@@ -159,10 +192,20 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The loop's own progress (the engine's sampling seed follows from the step: nothing else to save)."""
-        return {"step": self.step}
+        if self.split is None:
+            return {"step": self.step}
+        from rlstack.placement import pending_state
+
+        # split, staleness 1: the batch generated ahead (with the previous weights) is saved, so a
+        # resumed run trains on exactly the batch the uninterrupted one would have
+        return {"step": self.step, "pending": pending_state(self.pending)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        if self.split is not None:
+            from rlstack.placement import pending_from_state
+
+            self.pending = pending_from_state(state.get("pending"))
 
     def checkpoint_parts(self):
         """What a checkpoint of this run holds (rlstack.checkpoint.CheckpointParts).
@@ -184,6 +227,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self, dry_run: bool = False) -> dict:
+        if self.split is not None:
+            return self._split_train_step(dry_run)
         cfg, g = self.cfg, self.groups
         timings, t_step = {}, time.perf_counter()
         t0 = time.perf_counter()
@@ -234,8 +279,78 @@ class Trainer:
         self.step += 1
         return metrics
 
+    def _split_train_step(self, dry_run: bool) -> dict:
+        """Split placement (rlstack/placement.py): the batch comes from the rollout ranks.
+
+        staleness 0: request batch t with weights t, wait, train. staleness 1: batch t was generated
+        during step t-1 with weights t-1 (`self.pending`); request batch t+1 with weights t, train
+        on batch t meanwhile, then receive batch t+1 (kept for the next step and in checkpoints).
+        """
+        from rlstack.placement import RolloutRequest
+
+        cfg, g, client = self.cfg, self.groups, self.split
+        timings, t_step = {"timing/trainer_wait_rollout": 0.0}, time.perf_counter()
+        t0 = time.perf_counter()
+        sync_stats = None
+        if self.pending is None:
+            indices = self.sampler.next_global_batch()
+            prompts = [self.train_set[i] for i in indices]
+            batch, waited, sync_stats = client.generate(prompts, self.step, self.step, greedy=False)
+            self.pending = (indices, batch)
+            timings["timing/trainer_wait_rollout"] += waited
+        indices, batch = self.pending
+        self.pending = None
+        ahead = cfg.rollout.staleness == 1 and self.step + 1 < cfg.trainer.total_steps
+        if ahead:  # batch t+1 is generated with these weights while this step trains
+            next_indices = self.sampler.next_global_batch()
+            ids = [list(self.train_set[i].input_ids) for i in next_indices]
+            sync_stats = client.request(RolloutRequest("generate", ids, self.step + 1, self.step))
+        timings["timing/sync_s"] = time.perf_counter() - t0 - timings["timing/trainer_wait_rollout"]
+        timings["timing/rollout_s"] = batch.generate_s  # the rollout ranks' busy time for this batch
+        global_prompts = [self.train_set[i] for i in indices]
+        prompts, gens = stages.dp_share(global_prompts, batch.gens, g)
+
+        t0 = time.perf_counter()
+        scores = self._rewards(prompts, gens)
+        rollout = stages.build_rollout(
+            prompts,
+            gens,
+            scores,
+            self.tokenizer.pad_token_id,
+            cfg.algorithm.micro_batch_size,
+            g.device,
+            on_policy=False,
+        )
+        timings["timing/score_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        metrics = self._update(rollout, forward_only=dry_run)
+        timings["timing/update_s"] = time.perf_counter() - t0
+        if ahead:
+            next_batch, waited = client.receive()
+            self.pending = (next_indices, next_batch)
+            timings["timing/trainer_wait_rollout"] += waited
+        timings["timing/step_s"] = time.perf_counter() - t_step
+        metrics.update(timings)
+        if sync_stats is not None:
+            metrics.update(sync_stats.as_metrics())
+        metrics.update(
+            {
+                "rollout/staleness": float(self.step - batch.version),
+                "timing/rollout_wait_weights": batch.wait_weights_s,
+            }
+        )
+        metrics.update(self._rollout_metrics(scores, gens, batch.tokens, timings))
+        metrics.update(self._reward_extra_metrics(over_dp=True))
+        metrics.update(self._rm_metrics)
+        self._check_finite(metrics)
+        self.step += 1
+        return metrics
+
     def generate(self, prompts: list, greedy: bool):
         """Every rank's generations for `prompts` (the same list on every rank): `stages.generate`."""
+        if self.split is not None:  # the rollout ranks generate, with the current weights
+            batch, _, _ = self.split.generate(prompts, self.step, self.step, greedy)
+            return batch.gens, batch.tokens
         return stages.generate(
             self.engine,
             prompts,
@@ -281,6 +396,7 @@ class Trainer:
         metrics.update(self._train_throughput(rollout, actor_s, critic_s))
         metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
         metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
+        metrics.update(self._is_metrics(actor_stats))
         for key, norms in (("actor/grad_norm", grad_norms), ("critic/grad_norm", critic_norms)):
             if norms and not forward_only:
                 metrics[key] = sum(norms) / len(norms)
@@ -345,6 +461,22 @@ class Trainer:
         total, count = collectives.sum_floats([float(diff.sum()), float(mask.sum())], g.dp, g.device)
         diff_max = collectives.max_floats([local_max], g.world, g.device)[0]
         return {"actor/rollout_diff": total / max(count, 1.0), "actor/rollout_diff_max": diff_max}
+
+    def _is_metrics(self, stats: list[dict]) -> dict:
+        """is/weight_mean, is/weight_max, is/clipped_frac of algorithm.rollout_is over the step's updates."""
+        from rlstack.algorithms import is_metrics
+
+        if self.cfg.algorithm.rollout_is == "none":
+            return {}
+        g, keys = self.groups, ("is/weight_sum", "is/clipped_sum", "is/units")
+        local = [sum(float(s[k]) for s in stats if k in s) for k in keys]
+        local.append(1.0 if any("is/units" in s for s in stats) else 0.0)  # holds stats (last stage)
+        total = collectives.sum_floats(local, g.world, g.device)
+        if total[-1] == 0:
+            return {}
+        per_dp = [v / (total[-1] / g.dims.dp) for v in total[:3]]  # TP ranks of the last stage hold copies
+        local_max = max((float(s["is/weight_max"]) for s in stats if "is/weight_max" in s), default=0.0)
+        return is_metrics(*per_dp, collectives.max_floats([local_max], g.world, g.device)[0])
 
     def _train_throughput(self, rollout: Rollout, actor_s: float, critic_s: float) -> dict:
         """Tokens (prompt + response, all DP ranks) trained per second, per role."""

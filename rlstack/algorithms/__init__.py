@@ -46,6 +46,7 @@ _EXPORTS = {
         "register_policy_loss",
         "value_loss",
     ),
+    "rollout_is": ("IS_LEVELS", "is_metrics", "rollout_is_weights"),
     "masked": ("mask_counts", "masked_mean", "masked_sum", "masked_whiten", "whiten_stats"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

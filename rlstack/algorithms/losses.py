@@ -156,6 +156,7 @@ def policy_loss(
     global_num_tokens: Optional[float] = None,
     global_num_seqs: Optional[float] = None,
     loss_scale_factor: Optional[float] = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with separate low/high clip ratios and dual clip (Ye et al. 2020).
 
@@ -188,6 +189,8 @@ def policy_loss(
         stats["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask)
     else:
         stats["dual_clip_frac"] = ratio.new_zeros(())
+    if is_weights is not None:  # algorithm.rollout_is: truncated IS weights [B, T] (rollout_is.py)
+        loss_mat = loss_mat * is_weights
     loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     return loss, {k: v.detach() for k, v in stats.items()}
 
@@ -205,6 +208,7 @@ def gspo_policy_loss(
     global_num_tokens: Optional[float] = None,
     global_num_seqs: Optional[float] = None,
     loss_scale_factor: Optional[float] = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): one importance ratio per sequence, clipped.
 
@@ -229,6 +233,8 @@ def gspo_policy_loss(
         "approx_kl": masked_mean(-token_log_ratio, mask),
         "dual_clip_frac": ratio.new_zeros(()),
     }
+    if is_weights is not None:  # algorithm.rollout_is (rollout_is.py)
+        loss_mat = loss_mat * is_weights
     loss = agg_loss(loss_mat, mask, agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor)
     return loss, {k: v.detach() for k, v in stats.items()}
 

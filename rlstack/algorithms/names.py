@@ -11,6 +11,8 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", 
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "k1+", "k3+", "kl+", "low_var_kl+", "abs+")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "gspo")
+# algorithm.rollout_is: truncated importance sampling on rollout log-probs (rollout_is.py); none: off
+ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
 # Estimators whose baseline is the other samples of the prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss
+from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss, rollout_is_weights
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
@@ -80,6 +80,9 @@ class Actor:
             logprob, entropy = token_logprobs(self.role, mb, logits, with_entropy=True, temperature=self.temperature)
             mask = mb["resp_mask"]
             old = logprob.detach() if on_policy else mb["old_logprob"]
+            is_w, is_stats = None, {}
+            if a.rollout_is != "none":  # truncated IS on the engine's log-probs (algorithms/rollout_is.py)
+                is_w, is_stats = rollout_is_weights(old, mb["rollout_logprob"], mask, a.rollout_is, a.rollout_is_cap)
             pg, pg_stats = compute_policy_loss(
                 a.policy_loss,
                 old,
@@ -91,6 +94,7 @@ class Actor:
                 a.clip_ratio_c,
                 a.loss_agg_mode,
                 **counts,
+                is_weights=is_w,
             )
             loss = pg
             ntok = mask.sum()
@@ -100,6 +104,7 @@ class Actor:
                 "actor/clipfrac_sum": pg_stats["clip_frac"] * ntok,
                 "actor/tokens": ntok,
                 "actor/approx_kl_sum": pg_stats["approx_kl"] * ntok,
+                **is_stats,
             }
             if on_policy:
                 diff = (logprob.detach() - mb["rollout_logprob"]).abs() * mask

@@ -1,0 +1,214 @@
+"""Split placement: the last K ranks only roll out, the first N - K train (docs/placement.md).
+
+Both sides run one protocol, driven by training rank 0 over the whole world
+(`SplitPlacement.full`, through rlstack.collectives):
+
+    request  broadcast a `RolloutRequest` (prompt token ids, sampling step, weights version);
+             if it asks for a sync, the actor's shards travel to the engines (SplitWeightSync)
+    receive  every rank all-gathers; the first rank of each rollout replica contributes its
+             replica's `Generation`s, the training ranks nothing
+
+A rollout rank (`serve`) loops: take a request, sync, generate, hand the batch over, wait for the
+next request. The trainer (`RolloutClient`) decides when to request and when to receive: with
+`rollout.staleness=0` it requests batch t with weights t and waits for it; with `staleness=1` it
+requests batch t+1 with weights t right before training on batch t and receives it after the
+update, so generation and training overlap and every batch is one step stale (the first is not).
+
+Left out: rollout micro-batches are not streamed into scoring (the batch arrives whole); vLLM
+engines (in-process vLLM builds its groups collectively over every rank) and rollout.verify_sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlstack import collectives
+
+log = logging.getLogger("rlstack")
+
+
+@dataclass
+class RolloutRequest:
+    kind: str  # "generate" | "stop"
+    prompts: list = field(default_factory=list)  # token ids of each prompt
+    seed_step: int = 0  # sampling seed of this step (stages.sampling_params)
+    version: int = 0  # the trainer step whose weights the batch is generated with
+    greedy: bool = False
+    sync: bool = True  # push the actor's current weights first
+
+
+@dataclass
+class RolloutBatch:
+    """One request's generations (prompt_index into the request's prompts) and the rollout side's timings."""
+
+    gens: list  # rlstack.rollout.base.Generation, prompt order
+    version: int  # trainer step of the weights that generated it
+    generate_s: float  # rollout ranks busy generating
+    wait_weights_s: float  # rollout ranks idle from handing over the last batch until the weights arrived
+    tokens: float
+
+    def to_state(self) -> dict:
+        """JSON-safe (checkpoint trainer_state.json; floats round-trip exactly through repr)."""
+        return dict(dataclasses.asdict(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> RolloutBatch:
+        from rlstack.rollout.base import Generation
+
+        return cls(**{**state, "gens": [Generation(**g) for g in state["gens"]]})
+
+
+@dataclass
+class _Prompt:
+    input_ids: list  # what stages.generate reads of a prompt
+
+
+# ---------------------------------------------------------------------- training side
+
+
+class RolloutClient:
+    """The training ranks' end of the protocol (every training rank calls each method together)."""
+
+    def __init__(self, placement, weight_sync, device):
+        self.placement, self.weight_sync, self.device = placement, weight_sync, device
+
+    def request(self, req: RolloutRequest):
+        """Send `req`; with `req.sync` the weights go too. Returns the sync's SyncStats or None."""
+        collectives.broadcast_object(req, 0, self.placement.full, self.device)
+        return self.weight_sync.sync() if req.sync else None
+
+    def receive(self) -> tuple[RolloutBatch, float]:
+        """The batch of the last request and the seconds this rank waited for it."""
+        t0 = time.perf_counter()
+        parts = collectives.all_gather_objects(None, self.placement.full, self.placement.world_size)
+        waited = time.perf_counter() - t0
+        mine = [p for p in parts if p is not None]
+        assert mine, "no rollout replica reported a batch"
+        gens = [g for p in mine for g in p.gens]
+        return dataclasses.replace(mine[0], gens=gens, tokens=sum(p.tokens for p in mine)), waited
+
+    def generate(self, prompts: list, step: int, version: int, greedy: bool):
+        """Synchronous: current weights, then `prompts` (objects with `.input_ids`) generated.
+
+        Returns (RolloutBatch, seconds waited for it, the sync's SyncStats)."""
+        sync = self.request(RolloutRequest("generate", [list(p.input_ids) for p in prompts], step, version, greedy))
+        batch, waited = self.receive()
+        return batch, waited, sync
+
+    def stop(self) -> None:
+        collectives.broadcast_object(RolloutRequest("stop", sync=False), 0, self.placement.full, self.device)
+
+
+# ---------------------------------------------------------------------- rollout side
+
+
+def rollout_side_groups(placement, device):
+    """A ParallelGroups view of the rollout ranks alone, as stages.generate and build_engine read it."""
+    from megatron_bridge.parallel import ParallelDims, ParallelGroups
+
+    k, rank = placement.num_rollout, placement.rank - placement.num_train
+    return ParallelGroups(
+        dims=ParallelDims(tp=1, pp=1, dp=k, world_size=k),
+        rank=rank,
+        local_rank=rank,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=rank,
+        tp=None,
+        pp=None,
+        dp=placement.rollout,
+        mp=None,
+        embd=None,
+        world=placement.rollout,
+        device=device,
+    )
+
+
+@dataclass
+class RolloutSide:
+    """What a rollout-only rank holds for the whole run."""
+
+    cfg: Any  # ExperimentConfig
+    placement: Any  # megatron_bridge.parallel.SplitPlacement
+    groups: Any  # rollout_side_groups(...)
+    engine: Any
+    weight_sync: Any  # megatron_bridge.reshard.SplitWeightSync (receiving end)
+
+
+def build_rollout_side(cfg, placement, device) -> RolloutSide:
+    """The engine and the receiving end of the weight sync on a rollout-only rank."""
+    from megatron_bridge.hf import read_model_args, resolve_model_path
+    from megatron_bridge.reshard import SplitWeightSync
+    from rlstack import stages
+    from rlstack.rollout.base import build_engine
+
+    groups = rollout_side_groups(placement, device)
+    hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
+    tokenizer = stages.load_tokenizer(hf_dir)
+    engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    layout = split_layout(cfg, placement)
+    sync = SplitWeightSync(
+        None, engine, read_model_args(hf_dir), placement, layout, None, cfg.rollout.tp, cfg.rollout.sync_bucket_mb
+    )
+    return RolloutSide(cfg, placement, groups, engine, sync)
+
+
+def split_layout(cfg, placement) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the training ranks."""
+    p = cfg.parallel
+    return p.tp, p.pp, placement.num_train // (p.tp * p.pp)
+
+
+def serve(side: RolloutSide) -> int:
+    """A rollout rank's loop: request -> sync -> generate -> hand over, until "stop". Returns requests served."""
+    from rlstack import stages
+
+    pl, cfg, served = side.placement, side.cfg, 0
+    idle_since = time.perf_counter()
+    while True:
+        req = collectives.broadcast_object(None, 0, pl.full, side.groups.device)
+        if req.kind == "stop":
+            return served
+        if req.sync:
+            side.weight_sync.sync()
+        waited = time.perf_counter() - idle_since
+        t0 = time.perf_counter()
+        gens, tokens = stages.generate(
+            side.engine, [_Prompt(ids) for ids in req.prompts], cfg.rollout, side.groups, req.seed_step, req.greedy
+        )
+        busy = time.perf_counter() - t0
+        first = side.groups.rank == 0  # stages.generate gathered every replica's share on every rollout rank
+        part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None
+        collectives.all_gather_objects(part, pl.full, pl.world_size)
+        idle_since = time.perf_counter()
+        served += 1
+
+
+def run_rollout_rank(cfg, placement, device) -> None:
+    side = build_rollout_side(cfg, placement, device)
+    try:
+        served = serve(side)
+        log.info("rollout rank %d: served %d requests", placement.rank, served)
+    finally:
+        side.engine.close()
+
+
+def staleness_of(batch: RolloutBatch, step: int) -> int:
+    return step - batch.version
+
+
+def pending_state(pending: Optional[tuple[list, RolloutBatch]]) -> Optional[dict]:
+    if pending is None:
+        return None
+    indices, batch = pending
+    return {"indices": list(indices), "batch": batch.to_state()}
+
+
+def pending_from_state(state: Optional[dict]) -> Optional[tuple[list, RolloutBatch]]:
+    if not state:
+        return None
+    return list(state["indices"]), RolloutBatch.from_state(state["batch"])
