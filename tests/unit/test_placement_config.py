@@ -1,0 +1,48 @@
+"""Split placement layout checks (rlstack/parallel.py check_placement): one line naming the key and the fix."""
+
+import pytest
+
+from rlstack.config import ConfigError, load_config
+from rlstack.errors import UserError
+from rlstack.parallel import check_layout
+
+
+def _cfg(*overrides):
+    return load_config("yaml_configs/tiny_cpu.yaml", list(overrides))
+
+
+def test_colocated_and_a_fitting_split_pass():
+    assert check_layout(_cfg(), 2).dp == 2
+    dims = check_layout(_cfg("placement.rollout_ranks=1", "rollout.staleness=1"), 2)
+    assert (dims.tp, dims.pp, dims.dp, dims.world_size) == (1, 1, 1, 1)  # the training ranks' own layout
+
+
+@pytest.mark.parametrize(
+    "overrides, world, words",
+    [
+        (("placement.rollout_ranks=2",), 2, "placement.rollout_ranks=2 leaves no training rank"),
+        (("placement.rollout_ranks=1", "parallel.tp=2"), 4, "choose placement.rollout_ranks from [2]"),
+        (("placement.rollout_ranks=1", "rollout.tp=2"), 4, "make placement.rollout_ranks a multiple of rollout.tp"),
+        (("placement.rollout_ranks=1", "rollout.engine=vllm"), 2, "set rollout.engine=hf"),
+        (("placement.rollout_ranks=1", "rollout.verify_sync=2"), 2, "set rollout.verify_sync=0"),
+        (("rollout.staleness=1",), 2, "set placement.rollout_ranks=K > 0"),
+    ],
+)
+def test_layout_errors_name_the_fix(overrides, world, words):
+    with pytest.raises(UserError) as e:
+        check_layout(_cfg(*overrides), world)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("placement.rollout_ranks=-1", "'placement.rollout_ranks' is -1"),
+        ("rollout.staleness=2", "0 (synchronous) or 1"),
+        ("algorithm.rollout_is=seq", "'algorithm.rollout_is' is 'seq'"),
+        ("algorithm.rollout_is_cap=0", "'algorithm.rollout_is_cap' is 0.0"),
+    ],
+)
+def test_value_ranges(override, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        _cfg(override)
