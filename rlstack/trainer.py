@@ -331,8 +331,11 @@ class Trainer:
             timings["timing/trainer_wait_rollout"] += waited
         timings["timing/step_s"] = time.perf_counter() - t_step
         metrics.update(timings)
-        if sync_stats is not None:
-            metrics.update(sync_stats.as_metrics())
+        if sync_stats is None:  # staleness 1, last step: nothing generated ahead, no weights sent
+            from megatron_bridge.reshard import SyncStats
+
+            sync_stats = SyncStats()
+        metrics.update(sync_stats.as_metrics())
         metrics.update(
             {
                 "rollout/staleness": float(self.step - batch.version),

@@ -30,8 +30,8 @@ def test_one_step_off_policy_learns(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first < 0.03 and last > 0.06 and last > 3 * first, rewards
+    assert all(r["sync/bytes"] > 0 for r in rows[:-1]) and rows[-1]["sync/bytes"] == 0  # nothing ahead of the last
     for r in rows:
-        assert r["sync/bytes"] > 0
         assert 0 < r["is/weight_mean"] <= r["is/weight_max"] <= 2.0
         assert 0 <= r["is/clipped_frac"] <= 1
         assert r["timing/trainer_wait_rollout"] >= 0 and r["timing/rollout_wait_weights"] >= 0
