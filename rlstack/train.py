@@ -43,6 +43,8 @@ def _run(args, rank: int) -> int:
     if args.validate_only:
         dims = found.dims
         resume = f", resumes from {found.resume_from}" if found.resume_from else ""
+        if cfg.placement.rollout_ranks:  # split placement: dims are the training ranks' own
+            resume += f"; + {cfg.placement.rollout_ranks} rollout-only rank(s), staleness {cfg.rollout.staleness}"
         print(
             f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
             f"data sources {', '.join(found.data_sources) or '-'}{resume})"
