@@ -39,6 +39,7 @@ class RolloutRequest:
     version: int = 0  # the trainer step whose weights the batch is generated with
     greedy: bool = False
     sync: bool = True  # push the actor's current weights first
+    stream: bool = False  # hand each generation micro-batch over as it finishes (`stream_rounds` all-gathers)
 
 
 @dataclass
@@ -73,8 +74,10 @@ class _Prompt:
 class RolloutClient:
     """The training ranks' end of the protocol (every training rank calls each method together)."""
 
-    def __init__(self, placement, weight_sync, device):
+    def __init__(self, placement, weight_sync, device, cfg_rollout=None):
         self.placement, self.weight_sync, self.device = placement, weight_sync, device
+        self.cfg_rollout = cfg_rollout  # RolloutConfig (stream rounds)
+        self.last_stream = None
 
     def request(self, req: RolloutRequest):
         """Send `req`; with `req.sync` the weights go too. Returns the sync's SyncStats or None."""
@@ -98,6 +101,22 @@ class RolloutClient:
         sync = self.request(RolloutRequest("generate", [list(p.input_ids) for p in prompts], step, version, greedy))
         batch, waited = self.receive()
         return batch, waited, sync
+
+    def stream(self, req: RolloutRequest):
+        """Send `req` (stream=True) and yield each round's generations as they arrive, in prompt order.
+
+        After the last round `self.last_stream` holds (RolloutBatch of the rollout side's totals,
+        gens empty; the sync's SyncStats; seconds waited in all).
+        """
+        req = dataclasses.replace(req, stream=True)
+        sync = self.request(req)
+        waited, meta = 0.0, None
+        for _ in range(stream_rounds(len(req.prompts), self.cfg_rollout, self.placement.num_rollout)):
+            batch, w = self.receive()
+            waited += w
+            meta = batch
+            yield batch.gens
+        self.last_stream = (dataclasses.replace(meta, gens=[]), sync, waited)
 
     def stop(self) -> None:
         collectives.broadcast_object(RolloutRequest("stop", sync=False), 0, self.placement.full, self.device)
@@ -176,6 +195,11 @@ def serve(side: RolloutSide) -> int:
         if req.sync:
             side.weight_sync.sync()
         waited = time.perf_counter() - idle_since
+        if req.stream:
+            _serve_stream(side, req, waited)
+            idle_since = time.perf_counter()
+            served += 1
+            continue
         t0 = time.perf_counter()
         gens, tokens = stages.generate(
             side.engine, [_Prompt(ids) for ids in req.prompts], cfg.rollout, side.groups, req.seed_step, req.greedy
@@ -186,6 +210,41 @@ def serve(side: RolloutSide) -> int:
         collectives.all_gather_objects(part, pl.full, pl.world_size)
         idle_since = time.perf_counter()
         served += 1
+
+
+def _chunk_prompts(cfg) -> int:
+    """Prompts per engine call while streaming (as stages._chunks: one hf micro-batch of sequences)."""
+    return max(1, cfg.micro_batch_size // cfg.n)
+
+
+def stream_rounds(num_prompts: int, cfg, num_rollout: int) -> int:
+    """Hand-overs of one streamed request: micro-batches of the largest replica share (both sides agree)."""
+    replicas = num_rollout // cfg.tp
+    largest = -(-num_prompts // replicas)
+    return max(1, -(-largest // _chunk_prompts(cfg)))
+
+
+def _serve_stream(side: RolloutSide, req: RolloutRequest, waited: float) -> None:
+    """Generate the replica's share micro-batch by micro-batch; after each, every rank all-gathers it.
+
+    The engine calls and their order are those of stages.generate (same sampling seeds and samples).
+    """
+    from rlstack import stages
+
+    cfg, g, pl = side.cfg.rollout, side.groups, side.placement
+    mine = stages.replica_share(len(req.prompts), cfg, g)
+    params = stages.sampling_params(cfg, req.seed_step, req.greedy)
+    size, busy, tokens = _chunk_prompts(cfg), 0.0, 0.0
+    for r in range(stream_rounds(len(req.prompts), cfg, pl.num_rollout)):
+        chunk = mine[r * size : (r + 1) * size]
+        t0 = time.perf_counter()
+        local = side.engine.generate([req.prompts[i] for i in chunk], params) if chunk else []
+        busy += time.perf_counter() - t0
+        gens = [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
+        tokens += sum(len(x.response_ids) for x in gens)
+        first = g.rank % cfg.tp == 0  # the replica's first rank reports for the replica
+        part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None
+        collectives.all_gather_objects(part, pl.full, pl.world_size)
 
 
 def run_rollout_rank(cfg, placement, device) -> None:

@@ -125,7 +125,7 @@ def _split_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement, actor
         cfg.rollout.tp,
         cfg.rollout.sync_bucket_mb,
     )
-    return sync, RolloutClient(placement, sync, groups.device)
+    return sync, RolloutClient(placement, sync, groups.device, cfg.rollout)
 
 
 def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
@@ -291,8 +291,13 @@ class Trainer:
         cfg, g, client = self.cfg, self.groups, self.split
         timings, t_step = {"timing/trainer_wait_rollout": 0.0}, time.perf_counter()
         t0 = time.perf_counter()
-        sync_stats = None
-        if self.pending is None:
+        sync_stats = streamed = None
+        if self.pending is None and self.reward_model is None:  # score each micro-batch as it arrives
+            indices = self.sampler.next_global_batch()
+            batch, sync_stats, waited, streamed = self._stream_batch(indices)
+            self.pending = (indices, batch)
+            timings["timing/trainer_wait_rollout"] += waited
+        elif self.pending is None:  # a reward model normalises over the whole batch: no streaming
             indices = self.sampler.next_global_batch()
             prompts = [self.train_set[i] for i in indices]
             batch, waited, sync_stats = client.generate(prompts, self.step, self.step, greedy=False)
@@ -305,23 +310,17 @@ class Trainer:
             next_indices = self.sampler.next_global_batch()
             ids = [list(self.train_set[i].input_ids) for i in next_indices]
             sync_stats = client.request(RolloutRequest("generate", ids, self.step + 1, self.step))
-        timings["timing/sync_s"] = time.perf_counter() - t0 - timings["timing/trainer_wait_rollout"]
         timings["timing/rollout_s"] = batch.generate_s  # the rollout ranks' busy time for this batch
-        global_prompts = [self.train_set[i] for i in indices]
-        prompts, gens = stages.dp_share(global_prompts, batch.gens, g)
-
-        t0 = time.perf_counter()
-        scores = self._rewards(prompts, gens)
-        rollout = stages.build_rollout(
-            prompts,
-            gens,
-            scores,
-            self.tokenizer.pad_token_id,
-            cfg.algorithm.micro_batch_size,
-            g.device,
-            on_policy=False,
-        )
-        timings["timing/score_s"] = time.perf_counter() - t0
+        if streamed is not None:
+            prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
+            timings["timing/sync_s"] = sync_stats.seconds
+        else:
+            timings["timing/sync_s"] = time.perf_counter() - t0 - timings["timing/trainer_wait_rollout"]
+            prompts, gens = stages.dp_share([self.train_set[i] for i in indices], batch.gens, g)
+            t0 = time.perf_counter()
+            scores = self._rewards(prompts, gens)
+            rollout = self._build_rollout(prompts, gens, scores)
+            timings["timing/score_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         metrics = self._update(rollout, forward_only=dry_run)
         timings["timing/update_s"] = time.perf_counter() - t0
@@ -349,6 +348,62 @@ class Trainer:
         self.step += 1
         return metrics
 
+    def _build_rollout(self, prompts: list, gens: list, scores: list) -> Rollout:
+        a, pad = self.cfg.algorithm, self.tokenizer.pad_token_id
+        return stages.build_rollout(prompts, gens, scores, pad, a.micro_batch_size, self.groups.device, on_policy=False)
+
+    def _stream_batch(self, indices: list):
+        """Split placement, synchronous batch: rewards, old/reference log-probs and values of each
+        rollout micro-batch while the rollout ranks generate the next one.
+
+        Returns (RolloutBatch, SyncStats, seconds waited, (prompts, gens, scores, Rollout, score seconds)).
+        Every row's forwards are those of the whole-batch path (right padding: a row's positions do
+        not depend on the batch's width).
+        """
+        from rlstack.placement import RolloutRequest
+        from rlstack.workers.batch import split_for_rank
+
+        g = self.groups
+        global_prompts = [self.train_set[i] for i in indices]
+        share = split_for_rank(list(range(len(indices))), g.dp_rank, g.dims.dp)
+        first, in_share = (share[0] if share else 0), set(share)
+        prompts = [global_prompts[i] for i in share]
+        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], self.step, self.step)
+        every, parts, results, busy = [], [], [], 0.0
+        for chunk in self.split.stream(req):
+            t0 = time.perf_counter()
+            every += chunk
+            mine = [
+                dataclasses.replace(x, prompt_index=x.prompt_index - first) for x in chunk if x.prompt_index in in_share
+            ]
+            if mine:
+                scores = self._rewards(prompts, mine)
+                results += self._reward_results
+                part = self._build_rollout(prompts, mine, scores)
+                self._score_forwards(part)
+                parts.append((mine, scores, part))
+            busy += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta, sync, waited = self.split.last_stream
+        rows = sorted(
+            ((x, sc) for mine, scores, _ in parts for x, sc in zip(mine, scores)), key=lambda r: r[0].prompt_index
+        )
+        gens, scores = [x for x, _ in rows], [sc for _, sc in rows]
+        rollout = self._build_rollout(prompts, gens, scores)
+        _fill_from_parts(rollout, gens, parts)
+        self._reward_results = results
+        batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
+        return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
+
+    def _score_forwards(self, rollout: Rollout) -> None:
+        """The scoring forwards of `_update` (old and reference log-probs, values) on `rollout`."""
+        mbs, temperature = self.cfg.algorithm.micro_batch_size, self.cfg.rollout.temperature
+        rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, temperature)
+        if self.ref is not None:
+            rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, temperature)
+        if self.critic is not None:
+            rollout.old_values = self.critic.compute_values(rollout, mbs)
+
     def generate(self, prompts: list, greedy: bool):
         """Every rank's generations for `prompts` (the same list on every rank): `stages.generate`."""
         if self.split is not None:  # the rollout ranks generate, with the current weights
@@ -369,12 +424,14 @@ class Trainer:
         a, g = self.cfg.algorithm, self.groups
         mbs = a.micro_batch_size
         metrics = {}
+        # (split placement streams these per rollout micro-batch: already filled then)
         if not rollout.on_policy:
-            rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, self.cfg.rollout.temperature)
+            if rollout.old_logprob is None:
+                rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, self.cfg.rollout.temperature)
             metrics.update(self._engine_agreement(rollout))
-        if self.ref is not None:
+        if self.ref is not None and rollout.ref_logprob is None:
             rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, self.cfg.rollout.temperature)
-        if self.critic is not None:
+        if self.critic is not None and rollout.old_values is None:
             rollout.old_values = self.critic.compute_values(rollout, mbs)
         metrics.update(self._advantages(rollout))
         minis = rollout.mini_batches(a.mini_batch_size, g.dims.dp, mbs)
@@ -591,3 +648,21 @@ class Trainer:
         g = self.groups
         parts = gather_objects([local], g.dp, g.dims.dp) if over_dp else [local]
         return merge_extras_sums(parts)
+
+
+def _fill_from_parts(rollout: Rollout, gens: list, parts: list) -> None:
+    """Copy each streamed part's per-row forwards into the whole batch's rows (`gens` order).
+
+    A part's tensors are [b, S_part] with S_part <= S: columns past S_part are padding (zero).
+    """
+    row_of = {id(x): r for r, x in enumerate(gens)}
+    for name in ("old_logprob", "ref_logprob", "old_values"):
+        if not parts or getattr(parts[0][2], name) is None:
+            continue
+        like = getattr(parts[0][2], name)
+        full = torch.zeros(rollout.tokens.shape, dtype=like.dtype, device=like.device)  # [B', S]
+        for mine, _, part in parts:
+            values = getattr(part, name)  # [b, S_part]
+            for k, x in enumerate(mine):
+                full[row_of[id(x)], : values.shape[1]] = values[k]
+        setattr(rollout, name, full)

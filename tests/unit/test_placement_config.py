@@ -46,3 +46,32 @@ def test_layout_errors_name_the_fix(overrides, world, words):
 def test_value_ranges(override, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         _cfg(override)
+
+
+def test_stream_rounds_cover_the_largest_replica_share():
+    from rlstack.config import RolloutConfig
+    from rlstack.placement import stream_rounds
+
+    cfg = RolloutConfig(n=4, micro_batch_size=32)  # 8 prompts per engine call
+    assert stream_rounds(32, cfg, 1) == 4
+    assert stream_rounds(33, cfg, 2) == 3  # shares 17 and 16: 3 calls of up to 8
+    assert stream_rounds(1, cfg, 1) == 1
+
+
+def test_streamed_parts_land_in_their_rows():
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlstack.trainer import _fill_from_parts
+
+    gens = [object() for _ in range(3)]
+    part_a = SimpleNamespace(old_logprob=torch.tensor([[1.0, 2.0]]), ref_logprob=None, old_values=None)
+    part_b = SimpleNamespace(
+        old_logprob=torch.tensor([[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]), ref_logprob=None, old_values=None
+    )
+    full = SimpleNamespace(tokens=torch.zeros(4, 3), old_logprob=None, ref_logprob=None, old_values=None)
+    _fill_from_parts(full, gens, [([gens[2]], [0.0], part_a), ([gens[0], gens[1]], [0.0, 0.0], part_b)])
+    expected = torch.tensor([[3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [1.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(full.old_logprob, expected)
+    assert full.ref_logprob is None
