@@ -14,8 +14,11 @@ next request. The trainer (`RolloutClient`) decides when to request and when to 
 requests batch t+1 with weights t right before training on batch t and receives it after the
 update, so generation and training overlap and every batch is one step stale (the first is not).
 
-Left out: rollout micro-batches are not streamed into scoring (the batch arrives whole); vLLM
-engines (in-process vLLM builds its groups collectively over every rank) and rollout.verify_sync.
+A request with `stream=True` is handed over micro-batch by micro-batch (`stream_rounds` all-gathers),
+so the training ranks score each part as it arrives (Trainer._stream_batch).
+
+Left out: vLLM engines (in-process vLLM builds its groups collectively over every rank) and
+rollout.verify_sync.
 """
 
 from __future__ import annotations
