@@ -7,7 +7,11 @@ all ranks and gathered inside each model-parallel group, so TP/PP peers train on
 `build_trainer(cfg, groups)` assembles the parts (data, scorer, roles, engine, weight sync) and
 hands them to `Trainer`, which holds no construction logic: a test can give it a fake engine.
 
-Left out on purpose: no rollout/training overlap (colocated roles take turns on the same ranks);
+With split placement (`placement.rollout_ranks=K`, docs/placement.md) the trainer runs on the
+first N - K ranks only and takes its batches from the rollout ranks (`_split_train_step`):
+synchronously and streamed into scoring, or one step ahead (`rollout.staleness=1`).
+
+Left out on purpose: colocated, no rollout/training overlap (the roles take turns on the same ranks);
 no sequence packing (right padding keeps positions natural, so megatron's causal mask is exact);
 no dynamic batch sizing (micro-batches are fixed row counts); the reference is a full frozen copy.
 """
