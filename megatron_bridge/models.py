@@ -28,11 +28,13 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     recompute: bool = False,
     init_weights: bool = False,
+    ep: int = 1,
 ):
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
+        **moe_config(args, ep),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -71,7 +73,38 @@ def transformer_config(
     )
 
 
-def layer_spec(qk_layernorm: bool = False):
+def moe_config(args: ModelArgs, ep: int) -> dict:
+    """TransformerConfig's MoE fields for a Qwen3-MoE (empty for a dense model).
+
+    Routing equals transformers' Qwen3MoeTopKRouter: softmax over all experts, top-k, renormalised
+    when norm_topk_prob. Renormalised top-k of a softmax is the softmax of the top-k logits, which
+    is megatron's default order (moe_utils.topk_routing_with_score_function, use_pre_softmax=False);
+    without renormalisation megatron takes softmax first (moe_router_pre_softmax=True). The router
+    logits are computed in the parameters' dtype and the softmax in fp32, as transformers does
+    (moe_router_dtype stays None: in 0.16.1 its fp32 gating path needs Transformer Engine,
+    moe_utils.router_gating_linear reads an undefined te_general_gemm without it). No token dropping (capacity None), no
+    shared expert. The load-balancing loss is megatron's switch-style `aux_loss` with the HF
+    checkpoint's router_aux_loss_coef.
+    """
+    moe = args.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+    )
+
+
+def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
     """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec.
 
     `qk_layernorm` (Qwen3) puts an RMSNorm of hidden size head_dim on q and k, applied per head
@@ -89,8 +122,11 @@ def layer_spec(qk_layernorm: bool = False):
         log.info("megatron layer spec: %s", "transformer-engine" if use_te else "local (torch)")
         _SPEC_LOGGED = True
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    # MoE: SequentialMLP of local experts (mlp.experts.local_experts.{i}.linear_fc1/fc2), router mlp.router
+    return get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
 
 
 def _have_transformer_engine() -> bool:
@@ -110,7 +146,7 @@ def build_gpt(
     tie = args.tie_word_embeddings and not value_head
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args.qk_layernorm),
+        transformer_layer_spec=layer_spec(args.qk_layernorm, args.moe.num_experts if args.moe else None),
         vocab_size=padded_vocab,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -234,8 +270,8 @@ def build_stage(
     args: ModelArgs, groups, dtype: torch.dtype = torch.float32, recompute: bool = False, value_head: bool = False
 ):
     """This rank's pipeline stage of the model at `groups`' TP x PP, weights not loaded."""
-    tp, pp = groups.dims.tp, groups.dims.pp
-    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
+    tp, pp, ep = groups.dims.tp, groups.dims.pp, groups.dims.ep
+    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute, ep=ep)
     return build_gpt(
         args,
         config,
