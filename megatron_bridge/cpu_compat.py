@@ -123,8 +123,21 @@ def _patch_tensor_cuda_calls() -> None:
 #     current_stream, wait_stream, `with torch.cuda.stream(...)`, record_event, event.synchronize).
 #     On CPU there is one synchronous stream: the dispatcher's side stream *is* the current stream
 #     (so it never calls `record_stream`), entering it does nothing and its events are already done.
+#     The same function moves the all-to-all split sizes to the host as numpy arrays
+#     (moe_utils.maybe_move_tensor_to_cpu, imported by name into token_dispatcher.py:27) only when
+#     they are CUDA tensors; CPU tensors would reach `all_to_all_single(output_split_sizes=tensor)`,
+#     which torch refuses (TypeError: it takes a sequence of ints), so on CPU they become numpy too.
 def _patch_moe_dtoh_stream() -> None:
     from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
     cuda_ns = _Proxy(
         torch.cuda,
