@@ -214,6 +214,8 @@ def _collect_groups(dims: ParallelDims, local_rank: int, backend: str) -> Parall
     from megatron.core import parallel_state as ps
 
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    # EP ranks are consecutive data-parallel ranks (the bridge's export and weight sync rely on it)
+    assert dims.ep == 1 or ps.get_expert_model_parallel_rank() == ps.get_data_parallel_rank() % dims.ep
     return ParallelGroups(
         dims=dims,
         rank=dist.get_rank(),
