@@ -443,7 +443,10 @@ class WeightSync:
 
         problems = self._source_problems()
         targets = expert_views(self.engine.param_targets()) if self.direct else None
-        have = {n: tuple(t.shape) for n, t in targets.items()} if targets is not None else self.engine.expected_shapes()
+        if targets is not None:
+            have = {n: tuple(t.shape) for n, t in targets.items()}
+        else:  # a loader's checkpoint names (vLLM on CPU); fused expert names from a transformers model split
+            have = expert_shapes(self.engine.expected_shapes())
         want = {t.name: t.shape for t in self.mine}
         missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing:
@@ -506,6 +509,21 @@ def expert_views(targets: Optional[dict[str, torch.Tensor]]) -> Optional[dict[st
             for suffix, index, count in parts:
                 rows = t.shape[1] // count
                 out[f"{prefix}.{e}.{suffix}"] = t[e].narrow(0, index * rows, rows)
+    return out
+
+
+def expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`expert_views` on shapes alone: each fused [E, ...] expert shape -> one shape per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        parts = _FUSED_EXPERTS.get(leaf) if prefix.endswith("mlp.experts") and len(shape) == 3 else None
+        if parts is None:
+            out[name] = tuple(shape)
+            continue
+        for e in range(shape[0]):
+            for suffix, _, count in parts:
+                out[f"{prefix}.{e}.{suffix}"] = (shape[1] // count, shape[2])
     return out
 
 

@@ -16,7 +16,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
 
     _set_threads(cfg.parallel.threads_per_rank)
     p = cfg.parallel
-    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
+    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)

@@ -24,7 +24,7 @@ def model_args_from_config(model_cfg):
 def check_layout(cfg, world_size: int) -> ParallelDims:
     """Static parallel checks of an experiment config (no process group, no model load)."""
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size)
+    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size, ep=p.ep)
     args = model_args_from_config(cfg.model)
     if args is not None:
         dims.check_model(args)
