@@ -21,11 +21,11 @@ from megatron_bridge import layouts
 from megatron_bridge.errors import InputError
 from megatron_bridge.mappings import (
     ParamMap,
+    expert_offset,
     hf_to_megatron_names,
     is_ignored_hf,
     is_seq_cls_config,
     layer_offset,
-    expert_offset,
     megatron_to_hf_names,
     owner_ep,
     owner_stage,

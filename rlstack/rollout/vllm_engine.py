@@ -179,7 +179,6 @@ def _refuse_cpu_moe(hf_dir: str) -> None:
     actor's, so no sync could be trusted. The hf engine runs the MoE on CPU (docs/bridge.md).
     """
     from megatron_bridge.hf_config import read_hf_config
-
     from rlstack.errors import UserError
 
     if (read_hf_config(hf_dir).get("architectures") or [None])[0] == "Qwen3MoeForCausalLM":
