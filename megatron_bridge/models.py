@@ -169,7 +169,25 @@ def build_gpt(
         # (`.float()` in the log-prob and value code), so the wrapper's casts are not needed.
         model.to(config.params_dtype)
     mark_tensor_parallel_(model)
+    if args.moe is not None:
+        mark_experts_(model)
     return model
+
+
+def mark_experts_(model) -> None:
+    """Expert weights are `allreduce=False` at every EP, as megatron marks them only at EP > 1.
+
+    megatron's experts set `allreduce = not expert_parallel` (transformer/moe/experts.py), and DDP and
+    get_megatron_optimizer split parameters on it: expert ones reduce over the expert data-parallel
+    group and get their own optimizer, so at EP > 1 the optimizer is a ChainedOptimizer (dense,
+    experts) whose dist-checkpoint keys are `chained_0.*` / `chained_1.*`, while at EP1 it would be
+    a single optimizer with plain keys: a checkpoint saved at EP2 could not resume at EP1. Marking
+    them at EP1 too (where the expert data-parallel group *is* the data-parallel group, so the
+    gradients are the same) keeps one optimizer layout for every EP.
+    """
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 def rope_inv_freq(args) -> torch.Tensor:

@@ -209,7 +209,7 @@ class ExperimentConfig:
 
 
 CHOICES = {
-    "model.tiny.arch": ("llama", "qwen2", "qwen3"),
+    "model.tiny.arch": ("llama", "qwen2", "qwen3", "qwen3_moe"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),
