@@ -34,7 +34,7 @@ def transformer_config(
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
-        **moe_config(args, ep),
+        **moe_config(args, ep, tp),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -73,7 +73,7 @@ def transformer_config(
     )
 
 
-def moe_config(args: ModelArgs, ep: int) -> dict:
+def moe_config(args: ModelArgs, ep: int, tp: int = 1) -> dict:
     """TransformerConfig's MoE fields for a Qwen3-MoE (empty for a dense model).
 
     Routing equals transformers' Qwen3MoeTopKRouter: softmax over all experts, top-k, renormalised
@@ -84,7 +84,13 @@ def moe_config(args: ModelArgs, ep: int) -> dict:
     (moe_router_dtype stays None: in 0.16.1 its fp32 gating path needs Transformer Engine,
     moe_utils.router_gating_linear reads an undefined te_general_gemm without it). No token dropping (capacity None), no
     shared expert. The load-balancing loss is megatron's switch-style `aux_loss` with the HF
-    checkpoint's router_aux_loss_coef.
+    checkpoint's router_aux_loss_coef, times TP: without sequence parallelism every TP rank routes
+    the same tokens, and megatron's aux loss (router.py `_apply_aux_loss`) sums the expert token
+    counts and the token total over the TP group but not the probabilities, so each rank's loss is
+    1/TP of the batch's, and the replicated router's gradient is not summed over TP (its
+    `sequence_parallel` attribute is off). Scaling the coefficient by TP gives every rank the
+    gradient of the full loss (one SGD step at TP2 equals one rank's: tests/distributed/
+    test_models_moe.py); the tracker's sum over TP then reports the unscaled loss.
     """
     moe = args.moe
     if moe is None:
@@ -96,7 +102,7 @@ def moe_config(args: ModelArgs, ep: int) -> dict:
         moe_router_pre_softmax=not moe.norm_topk,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_aux_loss_coeff=moe.aux_loss_coeff * tp,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
@@ -171,7 +177,37 @@ def build_gpt(
     mark_tensor_parallel_(model)
     if args.moe is not None:
         mark_experts_(model)
+        if config.tensor_model_parallel_size > 1:
+            allow_moe_tp_without_sp_(model, config.tensor_model_parallel_size)
     return model
+
+
+class _NoTensorParallel:
+    def size(self) -> int:
+        return 1
+
+
+def allow_moe_tp_without_sp_(model, tp: int) -> None:
+    """Train a MoE at TP > 1 without sequence parallelism.
+
+    megatron-core 0.16.1's MoELayer.forward (transformer/moe/moe_layer.py:379) raises in training when
+    TP > 1 and sequence_parallel is off ("performance may degrade"): a performance guard, not a
+    correctness one. rlstack keeps sequence parallelism off (its value head and log-prob code take
+    whole sequences); the all-to-all dispatcher then gathers each TP rank's (identical) tokens over
+    the TP x EP group and reduce-scatters the TP-split expert outputs back, which is exact (logits at
+    TP2 equal transformers'). `attn_tp_group` is read only by that guard, so the layer gets a
+    stand-in of size 1 for it. The experts, though, see each token once per TP rank, so their weight
+    gradients come out TP times too large (measured: exactly 2x at TP2); a gradient hook divides
+    them by TP before megatron's DDP accumulates them, and one training step at TP2 then equals one
+    rank's (tests/distributed/test_models_moe.py).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.attn_tp_group = _NoTensorParallel()
+            for p in module.experts.parameters():
+                p.register_hook(lambda grad: grad / tp)
 
 
 def mark_experts_(model) -> None:
