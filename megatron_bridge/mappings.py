@@ -1,4 +1,4 @@
-"""Declarative HF <-> Megatron name maps for the Llama, Qwen2 and Qwen3 (dense) families.
+"""Declarative HF <-> Megatron name maps for the Llama, Qwen2, Qwen3 and Qwen3-MoE families.
 
 One declaration per architecture: a tuple of `Rule(hf names, megatron name, transform)` with a
 `{layer}` placeholder for per-layer tensors. Both directions (`megatron_to_hf_names`,

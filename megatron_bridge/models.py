@@ -2,7 +2,7 @@
 
 Single-device model code: parallelism comes from Megatron's parallel layers, configured by the
 TransformerConfig; nothing here calls torch.distributed. Llama (2, 3.x with `llama3` RoPE scaling),
-Qwen2 and Qwen3 dense families (RMSNorm, SwiGLU, RoPE with its theta, GQA, optional QKV bias,
+Qwen2, Qwen3 dense and Qwen3-MoE families (RMSNorm, SwiGLU or routed experts, RoPE with its theta, GQA, optional QKV bias,
 Qwen3's per-head q/k RMSNorm and explicit head_dim, tied or untied embeddings).
 """
 
