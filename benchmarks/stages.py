@@ -139,7 +139,7 @@ def run(args) -> dict:
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)  # as the trainer
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
-    g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
+    g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     hf_dir, tokenizer, train_set, _, sampler = build_data(cfg, g)  # the trainer's own data setup
     prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step
     lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]

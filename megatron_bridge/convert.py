@@ -1,13 +1,14 @@
-"""HF checkpoint <-> Megatron distributed checkpoint, at any TP x PP.
+"""HF checkpoint <-> Megatron distributed checkpoint, at any TP x PP (x EP for a MoE).
 
-    python -m megatron_bridge.convert --hf-in DIR --mcore-out DIR --tp N --pp M
-    python -m megatron_bridge.convert --mcore-in DIR --hf-out DIR [--tp N --pp M]
+    python -m megatron_bridge.convert --hf-in DIR --mcore-out DIR --tp N --pp M [--ep E]
+    python -m megatron_bridge.convert --mcore-in DIR --hf-out DIR [--tp N --pp M --ep E]
 
-Run as a plain command it spawns TP x PP local ranks itself (gloo on CPU, NCCL with GPUs); under
-torchrun it uses the launched world, which must be TP x PP ranks. A Megatron output directory holds
+Run as a plain command it spawns TP x PP x EP local ranks itself (gloo on CPU, NCCL with GPUs; the
+EP ranks are data-parallel ranks that split the experts); under torchrun it uses the launched world,
+which must be TP x PP x EP ranks. A Megatron output directory holds
 `mcore/` (megatron.core.dist_checkpointing), `hf/` (config.json and tokenizer files of the source)
 and `bridge_layout.json` (TP, PP, HF config), written last: its presence marks a complete checkpoint.
-Export reads the layout from `bridge_layout.json`; `--tp/--pp` there only override it (dist
+Export reads the layout from `bridge_layout.json`; `--tp/--pp/--ep` there only override it (dist
 checkpoints reshard on load).
 """
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-out", help="directory for the exported HF checkpoint")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (import: default 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (import: default 1)")
+    p.add_argument("--ep", type=int, default=None, help="expert parallel size, MoE only (import: default 1)")
     p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
     return p
 
@@ -85,6 +87,7 @@ def import_rank(hf_dir: str, out_dir: str, groups) -> dict:
             "version": LAYOUT_VERSION,
             "tp": groups.dims.tp,
             "pp": groups.dims.pp,
+            "ep": groups.dims.ep,
             "hf_config": read_hf_config(hf_dir),
             "source": os.path.abspath(hf_dir),
         }
@@ -110,7 +113,7 @@ def export_rank(mcore_dir: str, hf_out: str, groups) -> dict:
     args = ModelArgs.from_hf_config(layout["hf_config"])
     check_layout(args, groups.dims)
     start = time.time()
-    config = transformer_config(args, groups.dims.tp, groups.dims.pp)
+    config = transformer_config(args, groups.dims.tp, groups.dims.pp, ep=groups.dims.ep)
     model = build_gpt(
         args,
         config,
@@ -134,7 +137,7 @@ def run_rank(mode: str, opts) -> dict:
     from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    groups = init_distributed(opts.tp, opts.pp)
+    groups = init_distributed(opts.tp, opts.pp, ep=opts.ep)
     try:
         if mode == "import":
             stats = import_rank(opts.hf_in, opts.mcore_out, groups)
@@ -181,7 +184,7 @@ def free_port() -> int:
 
 
 def prepare(opts) -> str:
-    """Validate flags and paths before any process starts; fill --tp/--pp."""
+    """Validate flags and paths before any process starts; fill --tp/--pp/--ep."""
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
     from megatron_bridge.models import ModelArgs
     from megatron_bridge.parallel import ParallelDims
@@ -191,13 +194,15 @@ def prepare(opts) -> str:
         opts.hf_in = resolve_model_path(opts.hf_in, cache_dir=opts.cache_dir)
         if os.path.exists(os.path.join(opts.mcore_out, LAYOUT_FILE)):
             raise InputError(f"{opts.mcore_out} already holds a checkpoint: choose a new --mcore-out directory")
-        opts.tp, opts.pp = opts.tp or 1, opts.pp or 1
+        opts.tp, opts.pp, opts.ep = opts.tp or 1, opts.pp or 1, opts.ep or 1
         args = read_model_args(opts.hf_in)
     else:
         layout = read_layout(opts.mcore_in)
         opts.tp, opts.pp = opts.tp or layout["tp"], opts.pp or layout["pp"]
+        opts.ep = opts.ep or layout.get("ep", 1)
         args = ModelArgs.from_hf_config(layout["hf_config"])
-    check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, 1, opts.tp * opts.pp))
+    world = opts.tp * opts.pp * opts.ep  # data parallel = EP: one replica, its experts split
+    check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, opts.ep, world, ep=opts.ep))
     return mode
 
 
@@ -208,11 +213,11 @@ def main(argv=None) -> int:
         mode = prepare(opts)
     except InputError as e:  # a user mistake: one line naming the fix, exit status 2
         parser.error(str(e))
-    world = opts.tp * opts.pp
+    world = opts.tp * opts.pp * opts.ep
     if "WORLD_SIZE" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != world:
             raise InputError(
-                f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP={world}: use "
+                f"launched {os.environ['WORLD_SIZE']} ranks for TP*PP*EP={world}: use "
                 f"--nproc_per_node={world} or run without torchrun"
             )
         run_rank(mode, opts)

@@ -1,6 +1,6 @@
 """The few patches megatron-core 0.16.1 needs to run on CPU + gloo.
 
-Megatron-Core assumes CUDA in five ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
+Megatron-Core assumes CUDA in several ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
 device is present, changes only calls that would otherwise raise, and names its call sites
 (paths under `megatron/core/`, version 0.16.1). `apply()` is idempotent; `tests/unit/test_cpu_compat.py`
 checks each patch, and the distributed tests check the results against single-rank references.
@@ -8,6 +8,7 @@ checks each patch, and the distributed tests check the results against single-ra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -27,6 +28,7 @@ def apply() -> bool:
     global _APPLIED
     if _APPLIED:
         return True
+    _patch_moe_router_without_te()  # any machine without Transformer Engine, GPU or not
     if not needed():
         return False
     _patch_current_device()
@@ -35,6 +37,7 @@ def apply() -> bool:
     _patch_cuda_tensor_factories()
     _patch_cuda_type_checks()
     _patch_tensor_cuda_calls()
+    _patch_moe_dtoh_stream()
     _APPLIED = True
     log.debug("megatron-core CPU patches applied")
     return True
@@ -113,6 +116,63 @@ def _patch_tensor_cuda_calls() -> None:
     torch.Tensor.cuda = _cuda_stays_on_cpu
     _wrap_method(language_module.LanguageModule, "setup_embeddings_and_output_layer")
 
+
+# (g) The MoE all-to-all token dispatcher's device-to-host side stream:
+#     transformer/moe/token_dispatcher.py:445 (`MoEAlltoAllTokenDispatcher.__init__` creates
+#     `torch.cuda.Stream()`, which raises without CUDA) and :871-899 (`_maybe_dtoh_and_synchronize`:
+#     current_stream, wait_stream, `with torch.cuda.stream(...)`, record_event, event.synchronize).
+#     On CPU there is one synchronous stream: the dispatcher's side stream *is* the current stream
+#     (so it never calls `record_stream`), entering it does nothing and its events are already done.
+#     The same function moves the all-to-all split sizes to the host as numpy arrays
+#     (moe_utils.maybe_move_tensor_to_cpu, imported by name into token_dispatcher.py:27) only when
+#     they are CUDA tensors; CPU tensors would reach `all_to_all_single(output_split_sizes=tensor)`,
+#     which torch refuses (TypeError: it takes a sequence of ints), so on CPU they become numpy too.
+def _patch_moe_dtoh_stream() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+    cuda_ns = _Proxy(
+        torch.cuda,
+        Stream=lambda *a, **k: _CPU_STREAM,
+        current_stream=lambda *a, **k: _CPU_STREAM,
+        stream=lambda s: contextlib.nullcontext(),
+    )
+    token_dispatcher.torch = _Proxy(torch, cuda=cuda_ns)
+
+
+# (h) Without Transformer Engine, transformer/moe/moe_utils.py:34 fails to import `te_general_gemm`
+#     (inside `try: ... except ImportError: HAVE_TE = False`), and RouterGatingLinearFunction.forward /
+#     backward (:1192, :1225, every MoE router call via `router_gating_linear`) read the undefined name:
+#     NameError. Defining it as None selects the torch.mm path those functions already have.
+def _patch_moe_router_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _CpuStream:
+    """The one (synchronous) CPU stream: waits and events are no-ops."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
 
 _ORIGINAL_CUDA = torch.Tensor.cuda
 

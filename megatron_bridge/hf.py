@@ -21,11 +21,13 @@ from megatron_bridge import layouts
 from megatron_bridge.errors import InputError
 from megatron_bridge.mappings import (
     ParamMap,
+    expert_offset,
     hf_to_megatron_names,
     is_ignored_hf,
     is_seq_cls_config,
     layer_offset,
     megatron_to_hf_names,
+    owner_ep,
     owner_stage,
     param_maps,
     score_head_map,
@@ -217,12 +219,13 @@ def load_hf_weights(
         maps[score_head_map(args).megatron] = score_head_map(args)
         skip = tuple(n for n in skip if n != score_head_map(args).megatron)
     offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
+    e_offset = expert_offset(args, groups.ep_rank, groups.dims.ep)  # this EP rank's experts only
     tp_rank, tp_size = groups.tp_rank, groups.dims.tp
     with torch.no_grad():
         for local_name, param in model.named_parameters():
             if local_name in skip:
                 continue
-            m = maps.get(to_global_name(local_name, offset))
+            m = maps.get(to_global_name(local_name, offset, e_offset))
             assert m is not None, f"megatron parameter {local_name} has no rule in the {args.arch} mapping"
             pieces = layouts.megatron_pieces(m.transform, m.hf_shapes, tp_rank, tp_size, args, divisible_by)
             parts = [reader.read(name, piece) for name, piece in zip(m.hf, pieces)]
@@ -278,25 +281,33 @@ def export_maps(args, te_spec: bool = False) -> list[ParamMap]:
 def iter_hf_tensors(model, args, groups, te_spec: Optional[bool] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) on every rank of this model replica, one parameter at a time.
 
-    Collective over the replica's TP and PP groups: all its ranks iterate together. Peak extra memory
-    is one full parameter (the largest: the embedding).
+    Collective over the replica's TP, PP (and EP) groups: all its ranks iterate together. Peak extra
+    memory is one full parameter (the largest: the embedding). A routed expert is broadcast from the
+    EP rank that holds it, after its own TP gather and pipeline broadcast.
     """
     import torch.distributed as dist
 
     te_spec = uses_te_spec(model) if te_spec is None else te_spec
     local = dict(model.named_parameters())
     offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
+    e_offset = expert_offset(args, groups.ep_rank, groups.dims.ep)
     some = next(iter(local.values()))
     for m in export_maps(args, te_spec):
         owner = owner_stage(m, args, groups.dims.pp)
-        if owner == groups.pp_rank:
-            tensors = _gather_tp(local[to_local_name(m.megatron, offset)], m, args, groups)
+        ep_owner = owner_ep(m, args, groups.dims.ep)
+        mine = ep_owner is None or ep_owner == groups.ep_rank
+        if owner == groups.pp_rank and mine:
+            tensors = _gather_tp(local[to_local_name(m.megatron, offset, e_offset)], m, args, groups)
         else:
             tensors = [torch.empty(s, dtype=some.dtype, device=some.device) for s in m.hf_shapes]
-        if groups.dims.pp > 1:
+        if groups.dims.pp > 1 and mine:
             src = dist.get_global_rank(groups.pp, owner)
             for t in tensors:
                 dist.broadcast(t, src=src, group=groups.pp)
+        if ep_owner is not None and groups.dims.ep > 1:
+            src = dist.get_global_rank(groups.ep, ep_owner)
+            for t in tensors:
+                dist.broadcast(t, src=src, group=groups.ep)
         yield from zip(m.hf, tensors)
 
 
@@ -314,8 +325,8 @@ def _gather_tp(param: torch.Tensor, m: ParamMap, args, groups) -> list[torch.Ten
 
 def gather_hf_state_dict(model, args, groups) -> Optional[dict[str, torch.Tensor]]:
     """Full HF-named CPU tensors on global rank 0, None elsewhere. Every rank must call it."""
-    if groups.dp_rank != 0:
-        return None  # replicas hold the same weights; data-parallel rank 0's replica exports
+    if groups.dp_rank >= groups.dims.ep:
+        return None  # replicas hold the same weights; the first one (its EP group of DP ranks) exports
     out = {}
     for name, tensor in iter_hf_tensors(model, args, groups):
         if groups.rank == 0:

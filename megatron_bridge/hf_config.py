@@ -61,6 +61,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # RoPE scaling types the builders and both rollout engines implement ("default" = none).
 SUPPORTED_ROPE_SCALING = ("default", "llama3")
@@ -76,6 +77,17 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: str = "llama3"
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """Routed experts (Qwen3-MoE): softmax over all experts, top-k, renormalised when `norm_topk`."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # each expert's intermediate size (HF moe_intermediate_size)
+    norm_topk: bool
+    aux_loss_coeff: float  # HF router_aux_loss_coef: weight of the load-balancing loss
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class ModelArgs:
     qkv_bias: bool
     rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
     qk_layernorm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim])
+    moe: Optional[MoeArgs] = None  # Qwen3-MoE: routed experts in every layer; None: dense MLP
 
     @classmethod
     def from_hf_config(cls, hf: Any, source: str = "config.json") -> ModelArgs:
@@ -107,18 +120,19 @@ class ModelArgs:
         if arch is None:
             raise InputError(
                 f"unsupported architecture {archs or get('model_type')}: rlstack supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama, Qwen2 and Qwen3 dense families)"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama, Qwen2, Qwen3 dense and Qwen3-MoE families)"
             )
         if isinstance(hf, dict):
             check_hf_config(hf, source)
         rope_scaling = _check_rope_scaling(get("rope_scaling"), get("rope_parameters"), source)
-        if arch in ("qwen2", "qwen3") and get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and get("use_sliding_window", False):
             raise InputError(
                 f"model config {source} has use_sliding_window=true: sliding-window attention is not "
                 "supported; set it to false (full attention)"
             )
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
+        moe = _moe_args(get, source) if arch == "qwen3_moe" else None
         return cls(
             arch=arch,
             vocab_size=get("vocab_size"),
@@ -134,13 +148,51 @@ class ModelArgs:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
             rope_scaling=rope_scaling,
-            qk_layernorm=arch == "qwen3",
+            qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            moe=moe,
         )
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Megatron's padding: a multiple of divisible_by x TP, so every TP rank holds equal rows."""
         multiple = divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def _moe_args(get, source: str) -> MoeArgs:
+    """Qwen3-MoE's router and experts; layouts the bridge does not build are refused by key.
+
+    transformers 5 writes the expert count as `num_local_experts` (Qwen3MoeConfig maps `num_experts`
+    to it); older files carry `num_experts`.
+    """
+    experts = get("num_experts") or get("num_local_experts")
+    topk = get("num_experts_per_tok")
+    ffn = get("moe_intermediate_size")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", topk), ("moe_intermediate_size", ffn)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"model config {source} has {key}={value!r}: a Qwen3-MoE needs a positive integer")
+    if topk > experts:
+        raise InputError(
+            f"model config {source} has num_experts_per_tok={topk} > num_experts={experts}: lower num_experts_per_tok"
+        )
+    # Every layer routed: megatron's local spec builds one MoE layer kind for all layers here.
+    if get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers"):
+        raise InputError(
+            f"model config {source} has decoder_sparse_step={get('decoder_sparse_step', 1)} / mlp_only_layers="
+            f"{get('mlp_only_layers')}: only all-MoE layers are supported; set decoder_sparse_step=1 and "
+            "mlp_only_layers=[] (as Qwen3-30B-A3B and Qwen3-235B-A22B have)"
+        )
+    if get("shared_expert_intermediate_size"):
+        raise InputError(f"model config {source} has a shared expert: Qwen3-MoE has none; use a Qwen3-MoE checkpoint")
+    coeff = get("router_aux_loss_coef", 0.001)
+    if not isinstance(coeff, (int, float)) or isinstance(coeff, bool) or coeff < 0:
+        raise InputError(f"model config {source} has router_aux_loss_coef={coeff!r}: it must be a number >= 0")
+    return MoeArgs(
+        num_experts=experts,
+        topk=topk,
+        ffn_hidden_size=ffn,
+        norm_topk=bool(get("norm_topk_prob", True)),
+        aux_loss_coeff=float(coeff),
+    )
 
 
 def _rope_theta(get) -> float:

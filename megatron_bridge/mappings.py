@@ -1,4 +1,4 @@
-"""Declarative HF <-> Megatron name maps for the Llama, Qwen2 and Qwen3 (dense) families.
+"""Declarative HF <-> Megatron name maps for the Llama, Qwen2, Qwen3 and Qwen3-MoE families.
 
 One declaration per architecture: a tuple of `Rule(hf names, megatron name, transform)` with a
 `{layer}` placeholder for per-layer tensors. Both directions (`megatron_to_hf_names`,
@@ -24,7 +24,7 @@ from typing import Optional
 from megatron_bridge.errors import InputError
 
 TRANSFORMS = ("replicate", "column", "row", "vocab", "qkv", "gate_up")
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 _LAYER = "decoder.layers.{layer}."
 _HF_LAYER = "model.layers.{layer}."
@@ -33,7 +33,8 @@ _HF_LAYER = "model.layers.{layer}."
 @dataclass(frozen=True)
 class Rule:
     """One layout change. `shapes` are symbolic HF shapes: V vocab, H hidden, F ffn, Q q rows
-    (heads x head_dim), KV k/v rows (query groups x head_dim), D head_dim."""
+    (heads x head_dim), KV k/v rows (query groups x head_dim), D head_dim, E experts, M an expert's
+    ffn. `{expert}` in the names: one rule per expert (global expert index on both sides)."""
 
     hf: tuple[str, ...]
     megatron: str
@@ -106,10 +107,42 @@ QK_NORM = (
         when="qk_layernorm",
     ),
 )
+# Qwen3-MoE: the dense MLP replaced by a router (transformers' Qwen3MoeTopKRouter `mlp.gate`,
+# [experts, hidden], megatron's TopKRouter `mlp.router`, replicated over TP) and routed experts
+# (checkpoint names `mlp.experts.{e}.{gate,up,down}_proj`, as save_pretrained writes them even though
+# transformers 5 fuses them in memory; megatron's local-spec SequentialMLP
+# `mlp.experts.local_experts.{i}.linear_fc1/fc2`, i local to the EP rank: global e = ep_rank x
+# experts/EP + i). Expert TP = attention TP (megatron's default expert_tensor_parallel_size), so each
+# expert's fc1/fc2 are split over TP as a dense MLP's are.
+_EXPERT = _LAYER + "mlp.experts.local_experts.{expert}."
+_HF_EXPERT = _HF_LAYER + "mlp.experts.{expert}."
+MOE_MLP = (
+    Rule(
+        (_HF_LAYER + "post_attention_layernorm.weight",),
+        _LAYER + "pre_mlp_layernorm.weight",
+        "replicate",
+        (("H",),),
+    ),
+    Rule((_HF_LAYER + "mlp.gate.weight",), _LAYER + "mlp.router.weight", "replicate", (("E", "H"),)),
+    Rule(
+        (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
+        _EXPERT + "linear_fc1.weight",
+        "gate_up",
+        (("M", "H"), ("M", "H")),
+    ),
+    Rule((_HF_EXPERT + "down_proj.weight",), _EXPERT + "linear_fc2.weight", "row", (("H", "M"),)),
+)
+_DENSE_MLP = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+LLAMA_ATTENTION = tuple(r for r in LLAMA if not r.megatron.endswith(_DENSE_MLP))
 # Qwen2 is Llama plus QKV bias; Llama checkpoints with attention_bias=True also carry o_proj.bias,
 # which no rule consumes, so the loader rejects them by name (Megatron's Llama has no such bias).
 # Qwen3 is Llama plus q/k norms (no QKV bias unless attention_bias=True).
-DECLARATIONS = {"llama": LLAMA + QKV_BIAS, "qwen2": LLAMA + QKV_BIAS, "qwen3": LLAMA + QKV_BIAS + QK_NORM}
+DECLARATIONS = {
+    "llama": LLAMA + QKV_BIAS,
+    "qwen2": LLAMA + QKV_BIAS,
+    "qwen3": LLAMA + QKV_BIAS + QK_NORM,
+    "qwen3_moe": LLAMA_ATTENTION + QKV_BIAS + QK_NORM + MOE_MLP,
+}
 # HF keys that carry no weights of their own and may appear in checkpoints.
 IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
@@ -124,6 +157,7 @@ class ParamMap:
     hf_shapes: tuple[tuple[int, ...], ...]
     layer: Optional[int]  # global layer index; None for embedding, final norm, output layer
     export: bool = True
+    expert: Optional[int] = None  # global expert index of a routed expert's weight; None otherwise
 
 
 def declaration(arch: str) -> tuple[Rule, ...]:
@@ -143,7 +177,10 @@ def _applies(rule: Rule, args) -> bool:
 
 
 def _dims(args) -> dict[str, int]:
+    moe = getattr(args, "moe", None)
     return {
+        "E": moe.num_experts if moe else 0,
+        "M": moe.ffn_hidden_size if moe else 0,
         "V": args.vocab_size,
         "H": args.hidden_size,
         "F": args.ffn_hidden_size,
@@ -162,17 +199,20 @@ def param_maps(args, te_spec: bool = False) -> list[ParamMap]:
         for rule in rules:
             if ("{layer}" in rule.megatron) != (layer is not None):
                 continue
-            name = (rule.megatron_te if te_spec and rule.megatron_te else rule.megatron).format(layer=layer)
-            out.append(
-                ParamMap(
-                    megatron=name,
-                    hf=tuple(h.format(layer=layer) for h in rule.hf),
-                    transform=rule.transform,
-                    hf_shapes=tuple(tuple(dims[d] for d in shape) for shape in rule.shapes),
-                    layer=layer,
-                    export=rule.export,
+            name = rule.megatron_te if te_spec and rule.megatron_te else rule.megatron
+            experts = range(dims["E"]) if "{expert}" in rule.megatron else [None]
+            for expert in experts:
+                out.append(
+                    ParamMap(
+                        megatron=name.format(layer=layer, expert=expert),
+                        hf=tuple(h.format(layer=layer, expert=expert) for h in rule.hf),
+                        transform=rule.transform,
+                        hf_shapes=tuple(tuple(dims[d] for d in shape) for shape in rule.shapes),
+                        layer=layer,
+                        export=rule.export,
+                        expert=expert,
+                    )
                 )
-            )
     # embedding first, then layers, then the last stage's tensors (final norm, output layer)
     first = [m for m in out if m.megatron.startswith("embedding.")]
     last = [m for m in out if m.layer is None and not m.megatron.startswith("embedding.")]
@@ -210,12 +250,38 @@ def layer_offset(args, pp_rank: int, pp_size: int) -> int:
     return pp_rank * (args.num_layers // pp_size)
 
 
-def to_global_name(local_name: str, offset: int) -> str:
-    return _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def to_local_name(global_name: str, offset: int) -> str:
-    return _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) - offset}.", global_name)
+def to_global_name(local_name: str, offset: int, expert_offset: int = 0) -> str:
+    name = _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+    return _EXPERT_RE.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+def to_local_name(global_name: str, offset: int, expert_offset: int = 0) -> str:
+    name = _LAYER_RE.sub(lambda m: f"decoder.layers.{int(m.group(1)) - offset}.", global_name)
+    return _EXPERT_RE.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) - expert_offset}.", name)
+
+
+def experts_per_rank(args, ep_size: int) -> int:
+    """Local experts of each EP rank (megatron: num_moe_experts // expert_model_parallel_size)."""
+    moe = getattr(args, "moe", None)
+    if moe is None:
+        return 0
+    assert moe.num_experts % ep_size == 0, "ParallelDims.check_model validates this first"
+    return moe.num_experts // ep_size
+
+
+def expert_offset(args, ep_rank: int, ep_size: int) -> int:
+    """Global index of an EP rank's first local expert (MoELayer: ep_rank x num_local_experts)."""
+    return ep_rank * experts_per_rank(args, ep_size)
+
+
+def owner_ep(m: ParamMap, args, ep_size: int) -> Optional[int]:
+    """The EP rank holding a routed expert's weight; None for weights every EP rank holds."""
+    if m.expert is None:
+        return None
+    return m.expert // experts_per_rank(args, ep_size)
 
 
 def owner_stage(m: ParamMap, args, pp_size: int) -> int:

@@ -2,7 +2,7 @@
 
 Single-device model code: parallelism comes from Megatron's parallel layers, configured by the
 TransformerConfig; nothing here calls torch.distributed. Llama (2, 3.x with `llama3` RoPE scaling),
-Qwen2 and Qwen3 dense families (RMSNorm, SwiGLU, RoPE with its theta, GQA, optional QKV bias,
+Qwen2, Qwen3 dense and Qwen3-MoE families (RMSNorm, SwiGLU or routed experts, RoPE with its theta, GQA, optional QKV bias,
 Qwen3's per-head q/k RMSNorm and explicit head_dim, tied or untied embeddings).
 """
 
@@ -28,11 +28,13 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     recompute: bool = False,
     init_weights: bool = False,
+    ep: int = 1,
 ):
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
+        **moe_config(args, ep, tp),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -71,7 +73,44 @@ def transformer_config(
     )
 
 
-def layer_spec(qk_layernorm: bool = False):
+def moe_config(args: ModelArgs, ep: int, tp: int = 1) -> dict:
+    """TransformerConfig's MoE fields for a Qwen3-MoE (empty for a dense model).
+
+    Routing equals transformers' Qwen3MoeTopKRouter: softmax over all experts, top-k, renormalised
+    when norm_topk_prob. Renormalised top-k of a softmax is the softmax of the top-k logits, which
+    is megatron's default order (moe_utils.topk_routing_with_score_function, use_pre_softmax=False);
+    without renormalisation megatron takes softmax first (moe_router_pre_softmax=True). The router
+    logits are computed in the parameters' dtype and the softmax in fp32, as transformers does
+    (moe_router_dtype stays None: in 0.16.1 its fp32 gating path needs Transformer Engine,
+    moe_utils.router_gating_linear reads an undefined te_general_gemm without it). No token dropping (capacity None), no
+    shared expert. The load-balancing loss is megatron's switch-style `aux_loss` with the HF
+    checkpoint's router_aux_loss_coef, times TP: without sequence parallelism every TP rank routes
+    the same tokens, and megatron's aux loss (router.py `_apply_aux_loss`) sums the expert token
+    counts and the token total over the TP group but not the probabilities, so each rank's loss is
+    1/TP of the batch's, and the replicated router's gradient is not summed over TP (its
+    `sequence_parallel` attribute is off). Scaling the coefficient by TP gives every rank the
+    gradient of the full loss (one SGD step at TP2 equals one rank's: tests/distributed/
+    test_models_moe.py); the tracker's sum over TP then reports the unscaled loss.
+    """
+    moe = args.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe.aux_loss_coeff * tp,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+    )
+
+
+def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
     """TE spec on a GPU with Transformer Engine, else megatron's local (pure torch) spec.
 
     `qk_layernorm` (Qwen3) puts an RMSNorm of hidden size head_dim on q and k, applied per head
@@ -89,8 +128,11 @@ def layer_spec(qk_layernorm: bool = False):
         log.info("megatron layer spec: %s", "transformer-engine" if use_te else "local (torch)")
         _SPEC_LOGGED = True
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    # MoE: SequentialMLP of local experts (mlp.experts.local_experts.{i}.linear_fc1/fc2), router mlp.router
+    return get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
 
 
 def _have_transformer_engine() -> bool:
@@ -110,7 +152,7 @@ def build_gpt(
     tie = args.tie_word_embeddings and not value_head
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args.qk_layernorm),
+        transformer_layer_spec=layer_spec(args.qk_layernorm, args.moe.num_experts if args.moe else None),
         vocab_size=padded_vocab,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -133,7 +175,55 @@ def build_gpt(
         # (`.float()` in the log-prob and value code), so the wrapper's casts are not needed.
         model.to(config.params_dtype)
     mark_tensor_parallel_(model)
+    if args.moe is not None:
+        mark_experts_(model)
+        if config.tensor_model_parallel_size > 1:
+            allow_moe_tp_without_sp_(model, config.tensor_model_parallel_size)
     return model
+
+
+class _NoTensorParallel:
+    def size(self) -> int:
+        return 1
+
+
+def allow_moe_tp_without_sp_(model, tp: int) -> None:
+    """Train a MoE at TP > 1 without sequence parallelism.
+
+    megatron-core 0.16.1's MoELayer.forward (transformer/moe/moe_layer.py:379) raises in training when
+    TP > 1 and sequence_parallel is off ("performance may degrade"): a performance guard, not a
+    correctness one. rlstack keeps sequence parallelism off (its value head and log-prob code take
+    whole sequences); the all-to-all dispatcher then gathers each TP rank's (identical) tokens over
+    the TP x EP group and reduce-scatters the TP-split expert outputs back, which is exact (logits at
+    TP2 equal transformers'). `attn_tp_group` is read only by that guard, so the layer gets a
+    stand-in of size 1 for it. The experts, though, see each token once per TP rank, so their weight
+    gradients come out TP times too large (measured: exactly 2x at TP2); a gradient hook divides
+    them by TP before megatron's DDP accumulates them, and one training step at TP2 then equals one
+    rank's (tests/distributed/test_models_moe.py).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.attn_tp_group = _NoTensorParallel()
+            for p in module.experts.parameters():
+                p.register_hook(lambda grad: grad / tp)
+
+
+def mark_experts_(model) -> None:
+    """Expert weights are `allreduce=False` at every EP, as megatron marks them only at EP > 1.
+
+    megatron's experts set `allreduce = not expert_parallel` (transformer/moe/experts.py), and DDP and
+    get_megatron_optimizer split parameters on it: expert ones reduce over the expert data-parallel
+    group and get their own optimizer, so at EP > 1 the optimizer is a ChainedOptimizer (dense,
+    experts) whose dist-checkpoint keys are `chained_0.*` / `chained_1.*`, while at EP1 it would be
+    a single optimizer with plain keys: a checkpoint saved at EP2 could not resume at EP1. Marking
+    them at EP1 too (where the expert data-parallel group *is* the data-parallel group, so the
+    gradients are the same) keeps one optimizer layout for every EP.
+    """
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 def rope_inv_freq(args) -> torch.Tensor:
@@ -234,8 +324,8 @@ def build_stage(
     args: ModelArgs, groups, dtype: torch.dtype = torch.float32, recompute: bool = False, value_head: bool = False
 ):
     """This rank's pipeline stage of the model at `groups`' TP x PP, weights not loaded."""
-    tp, pp = groups.dims.tp, groups.dims.pp
-    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute)
+    tp, pp, ep = groups.dims.tp, groups.dims.pp, groups.dims.ep
+    config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute, ep=ep)
     return build_gpt(
         args,
         config,

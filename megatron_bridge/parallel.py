@@ -22,9 +22,10 @@ class ParallelDims:
     pp: int
     dp: int
     world_size: int
+    ep: int = 1  # expert parallel: experts split over groups of `ep` data-parallel ranks (inside DP)
 
     @classmethod
-    def resolve(cls, tp: int, pp: int, dp: int, world_size: int) -> ParallelDims:
+    def resolve(cls, tp: int, pp: int, dp: int, world_size: int, ep: int = 1) -> ParallelDims:
         """Fill dp=-1 from the world size; raise ValueError naming the number to change."""
         if tp < 1 or pp < 1:
             raise InputError(f"parallel.tp={tp} and parallel.pp={pp} must be at least 1")
@@ -41,7 +42,8 @@ class ParallelDims:
                 f"size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or -1) or launch "
                 f"{tp * pp * dp} processes"
             )
-        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size)
+        _check_ep(ep, dp, tp, pp)
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, ep=ep)
 
     def check_model(self, shape) -> None:
         """`shape`: a megatron_bridge.hf_config.ModelArgs (num_layers, num_attention_heads, num_query_groups)."""
@@ -56,11 +58,36 @@ class ParallelDims:
                 f"(query groups): choose parallel.tp from "
                 f"{_divisors(shape.num_attention_heads, shape.num_query_groups)}"
             )
+        moe = getattr(shape, "moe", None)
+        if self.ep > 1 and moe is None:
+            raise InputError(f"parallel.ep={self.ep} needs a MoE model (this one is dense): set parallel.ep=1")
+        if moe is not None and moe.num_experts % self.ep:
+            raise InputError(
+                f"parallel.ep={self.ep} does not divide the model's {moe.num_experts} experts: choose "
+                f"parallel.ep from {_divisors(moe.num_experts, self.dp)}"
+            )
         if shape.num_layers % self.pp:
             raise InputError(
                 f"parallel.pp={self.pp} does not divide the model's {shape.num_layers} layers: choose "
                 f"parallel.pp from {_divisors(shape.num_layers)}"
             )
+
+
+def _check_ep(ep: int, dp: int, tp: int, pp: int) -> None:
+    """EP lives inside data parallelism, as megatron lays it out.
+
+    parallel_state.initialize_model_parallel builds the expert ranks with expert TP = TP (the
+    default expert_tensor_parallel_size) and requires world % (TP x EP x PP) == 0 (RuntimeError
+    otherwise); with world = TP x PP x DP that is: EP divides DP. Each EP group is `ep` consecutive
+    data-parallel ranks (order tp-cp-ep-dp-pp), which share attention weights and split the experts.
+    """
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise InputError(f"parallel.ep={ep!r} must be a positive integer (1: no expert parallelism)")
+    if dp % ep:
+        raise InputError(
+            f"parallel.ep={ep} must divide the data-parallel size {dp} (world = tp {tp} x pp {pp} x dp {dp}; "
+            f"megatron splits experts over data-parallel ranks): choose parallel.ep from {_divisors(dp)}"
+        )
 
 
 def _divisors(*numbers: int) -> list[int]:
@@ -84,6 +111,15 @@ class ParallelGroups:
     embd: Optional[Any]  # first and last pipeline stage (tied embeddings); None at PP=1
     world: Any
     device: Any  # torch.device
+    ep_rank: int = 0
+    ep: Optional[Any] = None  # expert-parallel group (ranks holding different experts); None at EP=1
+    # The ranks that together hold one whole model: TP x PP, times EP for a MoE (megatron's expert
+    # tensor-model-pipeline group); the weight sync's peers.
+    replica: Optional[Any] = None
+
+    @property
+    def replica_group(self):
+        return self.replica if self.replica is not None else self.mp
 
     @property
     def is_first_stage(self) -> bool:
@@ -131,7 +167,7 @@ def start_world(backend: str, timeout_minutes: int, world_size: int, rank: int) 
 
 
 def init_distributed(
-    tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30, seed: int = 0
+    tp: int, pp: int, dp: int = -1, backend: str = "auto", timeout_minutes: int = 30, seed: int = 0, ep: int = 1
 ) -> ParallelGroups:
     """Start torch.distributed (env:// as torchrun sets it, or a world of one) and megatron groups."""
     import torch
@@ -142,14 +178,17 @@ def init_distributed(
 
     cpu_compat.apply()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.resolve(tp, pp, dp, world_size)
+    dims = ParallelDims.resolve(tp, pp, dp, world_size, ep=ep)
     backend = pick_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return _collect_groups(dims, local_rank, backend)
@@ -175,6 +214,8 @@ def _collect_groups(dims: ParallelDims, local_rank: int, backend: str) -> Parall
     from megatron.core import parallel_state as ps
 
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    # EP ranks are consecutive data-parallel ranks (the bridge's export and weight sync rely on it)
+    assert dims.ep == 1 or ps.get_expert_model_parallel_rank() == ps.get_data_parallel_rank() % dims.ep
     return ParallelGroups(
         dims=dims,
         rank=dist.get_rank(),
@@ -189,6 +230,9 @@ def _collect_groups(dims: ParallelDims, local_rank: int, backend: str) -> Parall
         embd=ps.get_embedding_group() if dims.pp > 1 else None,
         world=dist.group.WORLD,
         device=device,
+        ep_rank=ps.get_expert_model_parallel_rank() if dims.ep > 1 else 0,
+        ep=ps.get_expert_model_parallel_group() if dims.ep > 1 else None,
+        replica=ps.get_expert_tensor_model_pipeline_parallel_group() if dims.ep > 1 else None,
     )
 
 

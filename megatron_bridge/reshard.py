@@ -28,7 +28,7 @@ import torch
 
 from megatron_bridge import layouts
 from megatron_bridge.errors import InputError
-from megatron_bridge.mappings import layer_offset, owner_stage, param_maps, to_local_name
+from megatron_bridge.mappings import expert_offset, layer_offset, owner_ep, owner_stage, param_maps, to_local_name
 
 ENGINE_KINDS = ("hf", "vllm")
 
@@ -44,6 +44,7 @@ class Span:
     src_start: int
     dst_start: int
     length: int
+    src_ep: Optional[int] = None  # routed expert: the training EP rank holding it; None: every EP rank
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,13 @@ def plan_reshard(
     engine_kind: str,
     te_spec: bool = False,
     divisible_by: int = 128,
+    train_ep: int = 1,
 ) -> ReshardPlan:
-    """Which span of which Megatron shard each rollout TP rank needs, for every engine tensor."""
+    """Which span of which Megatron shard each rollout TP rank needs, for every engine tensor.
+
+    A MoE's routed experts are split over `train_ep` data-parallel ranks; every rollout rank gets all
+    of them (both engines hold whole experts), each span naming the EP rank it comes from.
+    """
     if engine_kind not in ENGINE_KINDS:
         raise ValueError(f"engine_kind={engine_kind!r} is unknown: use one of {', '.join(ENGINE_KINDS)}")
     if rollout_tp > 1:
@@ -91,7 +97,9 @@ def plan_reshard(
     sources, numel, ranks = [], [], [[] for _ in range(rollout_tp)]
     for group, m in enumerate(maps):
         stage = owner_stage(m, args, train_pp)
-        local = to_local_name(m.megatron, layer_offset(args, stage, train_pp))
+        ep_rank = owner_ep(m, args, train_ep)
+        e_offset = expert_offset(args, ep_rank, train_ep) if ep_rank is not None else 0
+        local = to_local_name(m.megatron, layer_offset(args, stage, train_pp), e_offset)
         axis = 1 if m.transform == "row" else 0
         ids = _id_tensors(m.hf_shapes, axis)
         shards = [layouts.megatron_shard(m.transform, ids, t, train_tp, args, divisible_by) for t in range(train_tp)]
@@ -101,7 +109,7 @@ def plan_reshard(
         replicated = m.transform == "replicate"
         for j in range(rollout_tp):
             for name, dst_ids, shape in _engine_tensors(m, ids, axis, j, rollout_tp, engine_kind, args):
-                spans = _spans(dst_ids, where, local, stage, axis, replicated)
+                spans = _spans(dst_ids, where, local, stage, axis, replicated, ep_rank)
                 ranks[j].append(TensorPlan(name, shape, group, spans, complete=bool((dst_ids >= 0).all())))
     return ReshardPlan(
         train_tp, train_pp, rollout_tp, engine_kind, tuple(sources), tuple(numel), tuple(tuple(r) for r in ranks)
@@ -174,7 +182,9 @@ def _vllm_name(m) -> str:
     return m.hf[0]
 
 
-def _spans(dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replicated: bool) -> tuple[Span, ...]:
+def _spans(
+    dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replicated: bool, ep_rank: Optional[int] = None
+) -> tuple[Span, ...]:
     """Runs of consecutive destination positions fed by consecutive positions of one shard."""
     tp_of, pos_of = where
     n = dst_ids.numel()
@@ -189,7 +199,8 @@ def _spans(dst_ids: torch.Tensor, where, src: str, stage: int, axis: int, replic
     spans = []
     for a, b in zip(starts, starts[1:] + [n]):
         if kind[a] == 1:
-            spans.append(Span(src, None if replicated else int(tp[a]), stage, axis, int(pos[a]), a, b - a))
+            tp_src = None if replicated else int(tp[a])
+            spans.append(Span(src, tp_src, stage, axis, int(pos[a]), a, b - a, src_ep=ep_rank))
         elif kind[a] == 0:
             spans.append(Span(None, None, stage, axis, 0, a, b - a))
     return tuple(spans)
@@ -250,13 +261,18 @@ class WeightSync:
         te_spec = any(n.endswith("layer_norm_weight") for n in self.params)
         self.direct = engine.param_targets() is not None
         kind = "vllm" if self.direct and engine.kind == "vllm" else "hf"
-        self.plan = plan_reshard(args, groups.dims.tp, groups.dims.pp, engine.tp_size, kind, te_spec, divisible_by)
+        self.ep = groups.dims.ep
+        self.plan = plan_reshard(
+            args, groups.dims.tp, groups.dims.pp, engine.tp_size, kind, te_spec, divisible_by, train_ep=self.ep
+        )
         self.mine = self.plan.tensors(engine.tp_rank)
         self.src_shapes = {(stage, name): shape for stage, name, shape in self.plan.sources}
         some = next(iter(self.params.values()))
         self.dtype, self.device = some.dtype, some.device
         peers = _gather_layout(groups, engine)
-        members = sorted(r for r, p in peers.items() if p[0] == peers[groups.rank][0])  # my model-parallel group
+        # My replica: the model-parallel group, times the EP group that splits a MoE's experts
+        # (EP ranks are data-parallel ranks dp // ep alike; megatron_bridge.parallel._check_ep).
+        members = sorted(r for r, p in peers.items() if p[0] // self.ep == peers[groups.rank][0] // self.ep)
         one_host = len({peers[r][4] for r in members}) == 1
         if transport == "shm" and not (one_host and self.device.type == "cpu"):
             raise InputError("transport=shm needs CPU tensors and a model-parallel group on one host: use p2p")
@@ -288,7 +304,8 @@ class WeightSync:
                 if reader == me:
                     buckets[b].tensors.append(i)
                 for s in t.spans:
-                    q = reader if s.src is None else table[(dp, tp if s.src_tp is None else s.src_tp, s.src_pp)]
+                    src_dp = dp if s.src_ep is None else dp // self.ep * self.ep + s.src_ep
+                    q = reader if s.src is None else table[(src_dp, tp if s.src_tp is None else s.src_tp, s.src_pp)]
                     if q == reader:
                         if reader == me:
                             buckets[b].local.append((i, s))
@@ -389,7 +406,7 @@ class WeightSync:
             src = self._span(key)
             mine[base + offset : base + offset + src.numel()].view(src.shape).copy_(src)
         inboxes = {q: self.boxes[q][slot * self.slot_numel[q] : (slot + 1) * self.slot_numel[q]] for q in b.reads}
-        return inboxes, lambda: dist.barrier(group=self.groups.mp)
+        return inboxes, lambda: dist.barrier(group=self.groups.replica_group)
 
     def _exchange(self, b: _Bucket):
         """p2p: one packed message per (sender, reader) pair and bucket."""
@@ -425,8 +442,11 @@ class WeightSync:
         import torch.distributed as dist
 
         problems = self._source_problems()
-        targets = self.engine.param_targets() if self.direct else None
-        have = {n: tuple(t.shape) for n, t in targets.items()} if targets is not None else self.engine.expected_shapes()
+        targets = expert_views(self.engine.param_targets()) if self.direct else None
+        if targets is not None:
+            have = {n: tuple(t.shape) for n, t in targets.items()}
+        else:  # a loader's checkpoint names (vLLM on CPU); fused expert names from a transformers model split
+            have = expert_shapes(self.engine.expected_shapes())
         want = {t.name: t.shape for t in self.mine}
         missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing:
@@ -459,6 +479,52 @@ class WeightSync:
             elif p.dtype != self.dtype:
                 problems.append(f"{name}: dtype {p.dtype}, other parameters {self.dtype}")
         return problems
+
+
+# Engines keep a MoE layer's experts fused in one tensor: transformers 5's Qwen3MoeExperts
+# `gate_up_proj` [E, 2M, H] (per expert [gate; up]) and `down_proj` [E, H, M], vLLM's FusedMoE
+# `w13_weight` [E, 2M/tp, H] ([w1 = gate; w3 = up] per TP rank) and `w2_weight` [E, H, M/tp]. The plan
+# names one tensor per expert (checkpoint names; vLLM's merged gate_up_proj); these are views into
+# the fused tensors, so the sync writes them in place.
+_FUSED_EXPERTS = {
+    "gate_up_proj": (("gate_proj.weight", 0, 2), ("up_proj.weight", 1, 2)),  # transformers: halves of dim 1
+    "down_proj": (("down_proj.weight", 0, 1),),
+    "w13_weight": (("gate_up_proj.weight", 0, 1),),  # vLLM: already [gate_r; up_r] per expert
+    "w2_weight": (("down_proj.weight", 0, 1),),
+}
+
+
+def expert_views(targets: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, torch.Tensor]]:
+    """An engine's targets with each fused [E, ...] expert tensor replaced by per-expert views."""
+    if targets is None:
+        return None
+    out = {}
+    for name, t in targets.items():
+        prefix, _, leaf = name.rpartition(".")
+        parts = _FUSED_EXPERTS.get(leaf) if prefix.endswith("mlp.experts") and t.dim() == 3 else None
+        if parts is None:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            for suffix, index, count in parts:
+                rows = t.shape[1] // count
+                out[f"{prefix}.{e}.{suffix}"] = t[e].narrow(0, index * rows, rows)
+    return out
+
+
+def expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`expert_views` on shapes alone: each fused [E, ...] expert shape -> one shape per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        parts = _FUSED_EXPERTS.get(leaf) if prefix.endswith("mlp.experts") and len(shape) == 3 else None
+        if parts is None:
+            out[name] = tuple(shape)
+            continue
+        for e in range(shape[0]):
+            for suffix, _, count in parts:
+                out[f"{prefix}.{e}.{suffix}"] = (shape[1] // count, shape[2])
+    return out
 
 
 def _gather_layout(groups, engine) -> dict:
@@ -496,19 +562,19 @@ def _open_outboxes(groups, members: list[int], slot_numel: dict, dtype: torch.dt
     import torch.distributed as dist
 
     token = [uuid.uuid4().hex if groups.rank == members[0] else None]
-    dist.broadcast_object_list(token, src=members[0], group=groups.mp)
+    dist.broadcast_object_list(token, src=members[0], group=groups.replica_group)
     path = lambda r: f"/dev/shm/rlstack-sync-{token[0]}-{r}"  # noqa: E731
     boxes = {
         groups.rank: torch.from_file(path(groups.rank), shared=True, size=2 * slot_numel[groups.rank], dtype=dtype)
     }
     boxes[groups.rank].zero_()  # fault the pages in now, not during the first sync
-    dist.barrier(group=groups.mp)
+    dist.barrier(group=groups.replica_group)
     page = 4096 // boxes[groups.rank].element_size()
     for r in members:
         if r != groups.rank:
             boxes[r] = torch.from_file(path(r), shared=True, size=2 * slot_numel[r], dtype=dtype)
             boxes[r][::page].sum()  # map every page of the peer's outbox into this process once
-    dist.barrier(group=groups.mp)
+    dist.barrier(group=groups.replica_group)
     os.unlink(path(groups.rank))
     return boxes, slot_numel
 

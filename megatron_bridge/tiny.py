@@ -30,7 +30,7 @@ TOKENIZER_VOCAB = 300  # byte alphabet (256) + 3 specials + a few merges; not a 
 class TinySpec:
     """Shape of a tiny random-weight model (`model.path: tiny`; head_dim >= 32 for vLLM CPU attention)."""
 
-    arch: str = "llama"  # llama | qwen2 | qwen3
+    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3_moe
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -45,6 +45,10 @@ class TinySpec:
     # e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     #       "original_max_position_embeddings": 64}
     rope_scaling: Optional[dict] = None
+    # Qwen3-MoE (arch qwen3_moe): routed experts in every layer, top-k renormalised
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
 
 
 def _corpus() -> list[str]:
@@ -140,7 +144,7 @@ def ensure_tiny_reward_model(spec: Optional[TinySpec] = None, cache_dir: str | N
 
 
 def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -160,7 +164,7 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
-    elif spec.arch == "qwen3":  # Qwen3Config's own default is 128, not hidden / heads
+    elif spec.arch in ("qwen3", "qwen3_moe"):  # Qwen3Config's own default is 128, not hidden / heads
         common["head_dim"] = spec.hidden_size // spec.num_attention_heads
     if spec.rope_scaling is not None:
         # transformers 5 keeps rope_theta inside rope_parameters and writes that to config.json
@@ -172,13 +176,26 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int):
         return Qwen2Config(use_sliding_window=False, **common)
     if spec.arch == "qwen3":
         return Qwen3Config(use_sliding_window=False, attention_bias=False, **common)
-    raise InputError(f"tiny model arch {spec.arch!r} is not supported: use llama, qwen2 or qwen3")
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            use_sliding_window=False,
+            attention_bias=False,
+            num_experts=spec.num_experts or 4,
+            num_experts_per_tok=spec.num_experts_per_tok or 2,
+            moe_intermediate_size=spec.moe_intermediate_size or spec.intermediate_size // 2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+    raise InputError(f"tiny model arch {spec.arch!r} is not supported: use llama, qwen2, qwen3 or qwen3_moe")
 
 
 def _model_class(arch: str):
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
+    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    return {**classes, "qwen3_moe": Qwen3MoeForCausalLM}[arch]
 
 
 def _perturb(model, seed: int) -> None:
@@ -192,6 +209,8 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # MoE router: distinct top-k (no near-ties) per token
+                p.copy_(torch.randn(p.shape, generator=gen))
 
 
 def default_cache_dir() -> str:

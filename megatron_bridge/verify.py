@@ -1,6 +1,6 @@
 """Check the bridge: the same batch through transformers and through the Megatron model at TP x PP.
 
-    torchrun --nproc_per_node=W -m megatron_bridge.verify --hf DIR|default|tiny --tp N --pp M [--tol 1e-4]
+    torchrun --nproc_per_node=W -m megatron_bridge.verify --hf DIR|default|tiny --tp N --pp M [--ep E] [--tol 1e-4]
 
 Prints `max_abs_logit_diff=<value>` (largest |HF - Megatron| over the real tokens and the real
 vocabulary, float32) on rank 0; every rank exits 1 when a difference exceeds `--tol`.
@@ -47,6 +47,7 @@ def build_parser(prog: str = "python -m megatron_bridge.verify") -> argparse.Arg
     p.add_argument("--hf", required=True, help="HF checkpoint directory, `default` (SmolLM2) or `tiny`")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE; must divide the data-parallel size)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per prompt (longer prompts are cut)")
     p.add_argument("--cache-dir", default=None, help="where `default`/`tiny` checkpoints are provisioned")
@@ -268,11 +269,12 @@ def main(argv=None, parser: Optional[argparse.ArgumentParser] = None, extra_chec
     try:  # user mistakes surface before any process group starts: one line naming the fix
         hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
         args = read_model_args(hf_dir)
-        check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, int(os.environ.get("WORLD_SIZE", "1"))))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout(args, ParallelDims.resolve(opts.tp, opts.pp, -1, world, ep=opts.ep))
     except InputError as e:
         parser.error(str(e))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    groups = init_distributed(opts.tp, opts.pp)
+    groups = init_distributed(opts.tp, opts.pp, ep=opts.ep)
     try:
         batch = make_batch(hf_dir, args.vocab_size, opts.seq_len)
         if opts.reward_model:

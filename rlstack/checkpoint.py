@@ -322,7 +322,8 @@ def _rank_file(path: str, rank: int) -> str:
 
 def _layout(groups) -> dict:
     d = groups.dims
-    return {"tp": d.tp, "pp": d.pp, "dp": d.dp, "world_size": d.world_size}
+    layout = {"tp": d.tp, "pp": d.pp, "dp": d.dp, "world_size": d.world_size}
+    return {**layout, "ep": d.ep} if d.ep > 1 else layout  # EP only for a MoE: older layouts compare equal
 
 
 # ----------------------------------------------------------------------------- the checkpointer

@@ -44,6 +44,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size; must divide attention heads and query groups
     pp: int = 1  # pipeline parallel size; must divide the number of layers
     dp: int = -1  # data parallel size; -1: world_size / (tp * pp)
+    # expert parallel size (MoE only): each group of `ep` data-parallel ranks splits the routed
+    # experts; must divide dp and the model's experts (megatron's expert_model_parallel_size)
+    ep: int = 1
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 0  # collective timeout: a dead or stalled rank ends the job after this; 0: auto
     # (30 on GPUs, where NCCL's first collectives and compilation are slow; 10 on CPU)
@@ -221,7 +224,7 @@ class ExperimentConfig:
 
 
 CHOICES = {
-    "model.tiny.arch": ("llama", "qwen2", "qwen3"),
+    "model.tiny.arch": ("llama", "qwen2", "qwen3", "qwen3_moe"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "rollout.engine": ("hf", "vllm"),
@@ -468,6 +471,7 @@ def _check_positive(cfg: ExperimentConfig) -> None:
     for key in (
         "parallel.tp",
         "parallel.pp",
+        "parallel.ep",
         "rollout.tp",
         "rollout.n",
         "rollout.max_new_tokens",

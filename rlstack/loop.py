@@ -18,7 +18,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     p = cfg.parallel
     if cfg.placement.rollout_ranks > 0:
         return _run_split(cfg, dry_run, profile, config_yaml)
-    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed)
+    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)

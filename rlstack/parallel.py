@@ -29,7 +29,7 @@ def check_layout(cfg, world_size: int) -> ParallelDims:
     """
     p = cfg.parallel
     check_placement(cfg, world_size)
-    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size - cfg.placement.rollout_ranks)
+    dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size - cfg.placement.rollout_ranks, ep=p.ep)
     args = model_args_from_config(cfg.model)
     if args is not None:
         dims.check_model(args)
@@ -70,6 +70,11 @@ def check_placement(cfg, world_size: int) -> None:
         raise UserError(
             f"rollout.tp={r.tp} does not divide placement.rollout_ranks={k}: each rollout engine spans "
             f"rollout.tp rollout ranks; make placement.rollout_ranks a multiple of rollout.tp"
+        )
+    if p.ep > 1:
+        raise UserError(
+            f"placement.rollout_ranks > 0 with parallel.ep={p.ep} is not supported yet: set parallel.ep=1 "
+            "or placement.rollout_ranks=0 (expert parallelism runs colocated)"
         )
     if r.engine != "hf":
         raise UserError(

@@ -79,7 +79,7 @@ def plan_for_config(
     hf, source = hf_config_for(cfg.model, model_config_file)
     args = model_args(hf, source)
     dims = _dims(cfg, world_size, args)
-    shape = shape_of(args, dims.tp)
+    shape = shape_of(args, dims.tp, dims.ep)
     if fused_attention is None:
         fused_attention = device == "gpu"
     setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
@@ -117,7 +117,7 @@ def _dims(cfg, world_size: int, args):
 
     p = cfg.parallel
     try:
-        dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size)
+        dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size, ep=p.ep)
         dims.check_model(args)
     except ValueError as e:
         raise UserError(str(e))

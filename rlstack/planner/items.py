@@ -99,6 +99,13 @@ def stage_items(cfg, dims, shape, setting: Setting, device: str, budget: int, st
     return items, kv
 
 
+def _optimizer_bytes(shape, dims, params: int, s: Setting, dist_opt: bool) -> int:
+    """Dense parameters shard over DP, a MoE's routed experts over the expert DP (dp / ep)."""
+    experts = m.stage_expert_params(shape, dims.tp, dims.pp)
+    dense = m.optimizer_bytes(params - experts, s.mixed_precision, dims.dp, dist_opt)
+    return dense + m.optimizer_bytes(experts, s.mixed_precision, max(dims.dp // dims.ep, 1), dist_opt)
+
+
 def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
     params = m.stage_params(shape, dims.tp, dims.pp, stage, value_head=value_head)
     dist_opt = cfg.parallel.use_distributed_optimizer and dims.dp > 1
@@ -111,7 +118,7 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
     items = [
         Item(role, f"weights ({dtype}, {_count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
         Item(role, "gradients (fp32 DDP buffer)", _every(m.grad_bytes(params))),
-        Item(role, f"optimizer ({opt_name})", _every(m.optimizer_bytes(params, s.mixed_precision, dims.dp, dist_opt))),
+        Item(role, f"optimizer ({opt_name})", _every(_optimizer_bytes(shape, dims, params, s, dist_opt))),
         Item(
             role,
             "optimizer step temporaries (torch Adam)",

@@ -9,6 +9,7 @@ for the training side. Shape comments use t = tensor parallel size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,16 @@ class Shape:
     padded_vocab_size: int  # megatron's padding for this TP (a multiple of 128 x TP)
     tie_word_embeddings: bool
     qkv_bias: bool
+    # MoE (Qwen3-MoE): routed experts replace the dense MLP in every layer; 0 experts: dense
+    num_experts: int = 0
+    expert_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    ep: int = 1  # expert parallel size of the layout (each EP rank holds num_experts / ep experts)
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width one token goes through: top-k experts' for a MoE (activations scale with it)."""
+        return self.moe_topk * self.expert_ffn_hidden_size if self.num_experts else self.ffn_hidden_size
 
     @property
     def q_size(self) -> int:
@@ -47,8 +58,13 @@ def layer_params(s: Shape, tp: int) -> int:
     qkv = s.hidden_size * (s.q_size + 2 * s.kv_size)  # fused linear_qkv [(q + 2kv)/t, h]
     qkv_bias = (s.q_size + 2 * s.kv_size) if s.qkv_bias else 0  # column-parallel bias: split too
     proj = s.q_size * s.hidden_size  # linear_proj [h, q/t]
-    mlp = 3 * s.hidden_size * s.ffn_hidden_size  # SwiGLU: fc1 [2f/t, h] + fc2 [h, f/t]
     norms = 2 * s.hidden_size
+    if s.num_experts:
+        # this EP rank's experts, each a SwiGLU split over TP (expert TP = TP), and the router
+        # [E, h], replicated on every rank
+        experts = (s.num_experts // s.ep) * 3 * s.hidden_size * s.expert_ffn_hidden_size
+        return (qkv + qkv_bias + proj + experts) // tp + norms + s.num_experts * s.hidden_size
+    mlp = 3 * s.hidden_size * s.ffn_hidden_size  # SwiGLU: fc1 [2f/t, h] + fc2 [h, f/t]
     return (qkv + qkv_bias + proj + mlp) // tp + norms
 
 
@@ -73,8 +89,21 @@ def stage_params(s: Shape, tp: int, pp: int, stage: int, value_head: bool = Fals
     return params
 
 
+def stage_expert_params(s: Shape, tp: int, pp: int) -> int:
+    """The routed-expert part of `stage_params` (0 for a dense model).
+
+    Its gradients are reduced, and a distributed optimizer shards its state, over the expert
+    data-parallel group (dp / ep ranks), not over all of DP (megatron's expert_data_parallel_group).
+    """
+    if not s.num_experts:
+        return 0
+    per_layer = (s.num_experts // s.ep) * 3 * s.hidden_size * s.expert_ffn_hidden_size // tp
+    return per_layer * (s.num_layers // pp)
+
+
 def total_params(s: Shape) -> int:
-    """The model's parameter count (unpadded vocabulary, tied embedding counted once)."""
+    """The model's parameter count (unpadded vocabulary, tied embedding counted once, every expert)."""
+    s = dataclasses.replace(s, ep=1)
     embedding = s.vocab_size * s.hidden_size
     head = 0 if s.tie_word_embeddings else embedding
     return layer_params(s, 1) * s.num_layers + embedding + head + s.hidden_size
@@ -139,8 +168,10 @@ def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_
     only its output and a log-sum-exp per row.
     """
     kv = s.kv_size if fused_attention else s.q_size
-    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 4 * s.ffn_hidden_size // tp) * act_bytes
+    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 4 * s.active_ffn // tp) * act_bytes
     per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
+    if s.num_experts:  # MoE: each token's top-k copies permuted to its experts and back (2 x k x h)
+        per_token += 2 * s.moe_topk * s.hidden_size * act_bytes
     total = per_token * mb.count
     if not fused_attention:
         total += attention_scores_bytes(s, tp, mb, act_bytes)
@@ -241,13 +272,13 @@ def kv_cache_bytes(s: Shape, rollout_tp: int, kv_bytes: int, num_seqs: int, max_
 def prefill_bytes(s: Shape, batch: int, prompt_len: int, act_bytes: int) -> int:
     """A transformers prefill (no_grad): one layer's working set, with the [b, heads, s, s] scores."""
     tokens = batch * prompt_len
-    per_token = (4 * s.hidden_size + 3 * s.ffn_hidden_size + s.q_size + 2 * s.kv_size) * act_bytes
+    per_token = (4 * s.hidden_size + 3 * s.active_ffn + s.q_size + 2 * s.kv_size) * act_bytes
     scores = batch * s.num_attention_heads * prompt_len**2 * 4
     return tokens * per_token + scores
 
 
 def vllm_profile_bytes(s: Shape, rollout_tp: int, max_num_seqs: int, max_batched_tokens: int, act_bytes: int) -> int:
     """vLLM's own activation peak inside its share: a prefill chunk's MLP and the sampler's fp32 logits."""
-    prefill = max_batched_tokens * (2 * s.hidden_size + 3 * s.ffn_hidden_size // rollout_tp) * act_bytes
+    prefill = max_batched_tokens * (2 * s.hidden_size + 3 * s.active_ffn // rollout_tp) * act_bytes
     sampler = max_num_seqs * (s.padded_vocab_size // rollout_tp) * 4 * 2
     return prefill + sampler

@@ -36,8 +36,15 @@ def tiny_hf_config(tiny) -> dict:
     """The config.json `megatron_bridge.tiny` writes for a `model.tiny` section (300-token vocabulary)."""
     from megatron_bridge.tiny import TOKENIZER_VOCAB, TinySpec
 
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[tiny.arch]
-    extra = {"head_dim": tiny.hidden_size // tiny.num_attention_heads} if tiny.arch == "qwen3" else {}  # as tiny.py
+    archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    arch = {**archs, "qwen3_moe": "Qwen3MoeForCausalLM"}[tiny.arch]
+    extra = {}
+    if tiny.arch in ("qwen3", "qwen3_moe"):  # as tiny.py
+        extra["head_dim"] = getattr(tiny, "head_dim", None) or tiny.hidden_size // tiny.num_attention_heads
+    if tiny.arch == "qwen3_moe":  # tiny.py's defaults for unset MoE fields
+        extra["num_experts"] = getattr(tiny, "num_experts", None) or 4
+        extra["num_experts_per_tok"] = getattr(tiny, "num_experts_per_tok", None) or 2
+        extra["moe_intermediate_size"] = getattr(tiny, "moe_intermediate_size", None) or tiny.intermediate_size // 2
     return {
         **extra,
         "architectures": [arch],
@@ -102,8 +109,13 @@ def model_args(hf: dict, source: str):
     return ModelArgs.from_hf_config(hf, source)
 
 
-def shape_of(args, tp: int) -> Shape:
+def shape_of(args, tp: int, ep: int = 1) -> Shape:
+    moe = getattr(args, "moe", None)
     return Shape(
+        num_experts=moe.num_experts if moe else 0,
+        expert_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
+        moe_topk=moe.topk if moe else 0,
+        ep=ep,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_layers=args.num_layers,

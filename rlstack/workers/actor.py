@@ -122,5 +122,26 @@ class Actor:
         mbs = split_micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size)
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
+        moe = self.role.args.moe
+        if moe is not None:
+            from megatron_bridge.moe import clear_aux_losses
+
+            clear_aux_losses()  # the critic's routers (a MoE critic trained just before) share the tracker
         stats, grad_norm = self.role.train_step(mbs, loss_fn)
+        if moe is not None:
+            stats = stats + _moe_stats(stats, len(mbs), moe.aux_loss_coeff, self.role.groups.dims.dp)
         return {"stats": stats, "grad_norm": grad_norm}
+
+
+def _moe_stats(stats: list, num_micro: int, coeff: float, dp: int) -> list:
+    """The router load-balancing loss as one more stats entry (collective: every rank calls it).
+
+    reduce_stats sums plain losses over micro-batches and DP ranks of the stats holders (the last
+    stage), so each holder adds its DP share of the (already DP-averaged) value.
+    """
+    from megatron_bridge.moe import collect_aux_losses
+
+    aux = collect_aux_losses(num_micro, coeff)
+    if not stats:  # not the last pipeline stage: no loss stats here
+        return []
+    return [{"actor/moe_aux_loss": aux.weighted / dp, "actor/moe_load_balancing_loss": aux.load_balancing / dp}]

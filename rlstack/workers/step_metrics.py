@@ -8,7 +8,7 @@ from rlstack import collectives
 # `<prefix>/<name>_sum` are token sums, divided by `<prefix>/tokens`; plain losses are already
 # normalised by the global counts, so their sum over micro-batches and DP ranks is the mini-batch loss.
 _TOKEN_SUMS = ("entropy", "clipfrac", "kl", "approx_kl", "rollout_diff")
-_LOSSES = ("loss", "pg_loss")
+_LOSSES = ("loss", "pg_loss", "moe_aux_loss", "moe_load_balancing_loss")  # moe_*: MoE actors only
 
 
 def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, prefix: str) -> dict:
@@ -23,6 +23,8 @@ def reduce_stats(stats: list[dict], groups: ParallelGroups, num_updates: int, pr
     per_dp = [v / (holders / groups.dims.dp) for v in total]
     out = {}
     for j, key in enumerate(keys[: len(_LOSSES)]):
+        if key.startswith(f"{prefix}/moe_") and per_dp[j] == 0.0:
+            continue  # a dense model has no router loss (a MoE's is always > 0)
         out[key] = per_dp[j] / max(num_updates, 1)
     tokens = per_dp[len(keys) - 1]
     for j, name in enumerate(_TOKEN_SUMS):
