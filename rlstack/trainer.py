@@ -73,7 +73,14 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups) -> Trainer:
     actor, ref, critic = build_roles(cfg, groups, hf_dir)
     reward_model = build_reward_model(cfg, groups, tokenizer, DTYPES[cfg.model.dtype])
     engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    weight_sync = WeightSync(actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+    weight_sync = WeightSync(
+        actor.role.module,
+        actor.role.args,
+        groups,
+        engine,
+        bucket_mb=cfg.rollout.sync_bucket_mb,
+        zero_copy=cfg.rollout.zero_copy,
+    )
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
     return Trainer(
