@@ -92,7 +92,8 @@ class RolloutEngine(ABC):
     def alias_weights(self, views: dict[str, torch.Tensor]) -> set[str]:
         """Zero copy (`rollout.zero_copy`): make the named engine tensors these views of the actor's
         parameters (same name as in `param_targets`; a grouped view [G, R, ...] stands for [G*R, ...]).
-        Returns the names it aliased; the weight sync skips them. Default: none."""
+        Returns the names it aliased; the weight sync skips them. Default: none. Aliased tensors are
+        the actor's own storage: nothing may write into them through the engine (`load_weights`)."""
         return set()
 
     @abstractmethod
