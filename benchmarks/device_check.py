@@ -143,7 +143,8 @@ def check_training(args, checks: Checks, rows: list[dict], rc: int) -> None:
         not bad and not roles and reference,
         f"non-finite {bad or 'none'}; missing {roles or 'none'}; reference KL {'present' if reference else 'MISSING'}",
     )
-    synced = all(r.get("sync/bytes", 0) > 0 for r in rows)
+    # rollout.zero_copy: an engine that aliases the actor's tensors moves 0 bytes by design
+    synced = all(r.get("sync/bytes", 0) + r.get("sync/aliased_bytes", 0) > 0 for r in rows)
     diff = max(r["actor/rollout_diff"] for r in rows)
     diff_max = max(r["actor/rollout_diff_max"] for r in rows)
     checks.record(

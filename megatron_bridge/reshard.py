@@ -206,6 +206,41 @@ def _spans(
     return tuple(spans)
 
 
+# ---------------------------------------------------------------------- zero copy (colocated, pure)
+
+
+def alias_view(t: TensorPlan, source: torch.Tensor) -> Optional[torch.Tensor]:
+    """A view of `source` (the rank's own Megatron shard) holding engine tensor `t`, or None.
+
+    Possible when the spans are rows of one shard in equal runs at a constant stride: one run is the
+    engine tensor itself (`t.shape`); several (q, k or v rows inside Megatron's per-group fused QKV)
+    give a grouped view [runs, run_rows, *rest] that the engine uses through a grouped projection.
+    A span of columns must be the whole shard (row-parallel weights at TP1).
+    """
+    spans = t.spans
+    if not t.complete or not spans or any(s.src is None or s.src != spans[0].src for s in spans):
+        return None
+    if not source.is_contiguous():
+        return None
+    if spans[0].axis == 1:
+        whole = len(spans) == 1 and spans[0].src_start == 0 and tuple(source.shape) == t.shape
+        return source if whole else None
+    run, rest = spans[0].length, tuple(source.shape[1:])
+    starts = [s.src_start for s in spans]
+    gap = starts[1] - starts[0] if len(starts) > 1 else run
+    regular = all(s.length == run for s in spans) and all(b - a == gap for a, b in zip(starts, starts[1:]))
+    if not regular or gap < run or tuple(t.shape[1:]) != rest or len(spans) * run != t.shape[0]:
+        return None
+    row = 1
+    for d in rest:
+        row *= d
+    inner = tuple(source.stride()[1:])
+    offset = source.storage_offset() + starts[0] * row
+    if len(spans) == 1:
+        return source.as_strided(t.shape, (row, *inner), offset)
+    return source.as_strided((len(spans), run, *rest), (gap * row, row, *inner), offset)
+
+
 # ---------------------------------------------------------------------- execute
 
 
@@ -214,6 +249,8 @@ class SyncStats:
     seconds: float = 0.0
     bytes: int = 0  # bytes written into the engine from Megatron shards (local copies + received)
     bytes_received: int = 0  # the part that came from other ranks
+    aliased_bytes: int = 0  # engine tensors that are views of the actor's own parameters (zero copy)
+    engine_weight_bytes: Optional[int] = None  # the engine's parameter storages not shared with the actor
     peak_extra_bytes: int = 0  # transport buffers + staged engine tensors, at their largest
     verify_max_diff: Optional[float] = None  # engine vs actor log-probs on a probe after this sync, if checked
 
@@ -223,7 +260,10 @@ class SyncStats:
             "sync/bytes": self.bytes,
             "sync/bytes_received": self.bytes_received,
             "sync/peak_extra_bytes": self.peak_extra_bytes,
+            "sync/aliased_bytes": self.aliased_bytes,
         }
+        if self.engine_weight_bytes is not None:
+            out["sync/engine_weight_bytes"] = self.engine_weight_bytes
         if self.verify_max_diff is not None:
             out["sync/verify_max_diff"] = self.verify_max_diff
         return out
@@ -245,10 +285,24 @@ class WeightSync:
     Transport: "shm" (ranks of one host: each rank publishes the spans others need into its own
     shared-memory outbox, two slots alternating, one barrier per bucket; a remote byte is copied
     twice, a local one once) or "p2p" (torch.distributed isend/irecv: NCCL on GPUs, across hosts).
+
+    `zero_copy`: where the engine needs exactly the rank's own shards (a model-parallel group of one:
+    training TP1 x PP1, colocated) and dtype and device agree, the engine's tensors become views of
+    the actor's parameters (`engine.alias_weights`); the sync then moves 0 bytes for them and copies
+    only the rest. Each sync re-checks that the views still point at the actor's storage (a
+    parameter rebound by a checkpoint load or offload is aliased again).
     """
 
     def __init__(
-        self, model, args, groups, engine, bucket_mb: float = 64, divisible_by: int = 128, transport: str = "auto"
+        self,
+        model,
+        args,
+        groups,
+        engine,
+        bucket_mb: float = 64,
+        divisible_by: int = 128,
+        transport: str = "auto",
+        zero_copy: bool = False,
     ):
         if bucket_mb <= 0:
             raise InputError(f"rollout.sync_bucket_mb={bucket_mb} must be positive")
@@ -280,7 +334,12 @@ class WeightSync:
         self.shm = len(members) > 1 and (
             transport == "shm" or (transport == "auto" and one_host and self.device.type == "cpu")
         )
-        self.buckets, slot_numel = self._schedule(peers, members, int(bucket_mb * (1 << 20)))
+        self.aliased: dict[str, str] = {}  # engine tensor name -> Megatron parameter it is a view of
+        self._zero_copy = zero_copy and members == [groups.rank] and self.direct
+        if self._zero_copy:
+            self.aliased = self._alias()
+        self._schedule_args = (peers, members, int(bucket_mb * (1 << 20)))
+        self.buckets, slot_numel = self._schedule(*self._schedule_args)
         self.boxes, self.slot_numel = _open_outboxes(groups, members, slot_numel, self.dtype) if self.shm else ({}, {})
         self.last: Optional[SyncStats] = None
 
@@ -300,6 +359,8 @@ class WeightSync:
         for reader in members:
             dp, tp, _, j, _ = peers[reader]
             for i, t in enumerate(self.plan.tensors(j)):
+                if reader == me and t.name in self.aliased:
+                    continue  # a view of the actor's own parameter: nothing to move
                 b = of_group[t.group]
                 if reader == me:
                     buckets[b].tensors.append(i)
@@ -340,10 +401,58 @@ class WeightSync:
         name, _, axis, start, length = key
         return self.params[name].narrow(axis, start, length)
 
+    # ------------------------------------------------------------------ zero copy
+
+    def _views(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Engine tensor name -> (Megatron name, view of it) where the engine can alias the actor."""
+        targets = self.engine.param_targets()
+        out = {}
+        for t in self.mine:
+            source = self.params.get(t.spans[0].src) if t.spans else None
+            dst = targets.get(t.name)
+            if source is None or dst is None or (source.dtype, source.device) != (dst.dtype, dst.device):
+                continue
+            view = alias_view(t, source.detach())
+            if view is not None:
+                out[t.name] = (t.spans[0].src, view)
+        return out
+
+    def _alias(self) -> dict[str, str]:
+        views = self._views()
+        done = self.engine.alias_weights({name: view for name, (_, view) in views.items()})
+        return {name: views[name][0] for name in sorted(done)}
+
+    def _aliases_hold(self) -> bool:
+        """Every aliased engine tensor still is the view the actor's current storage gives."""
+        views, targets = self._views(), self.engine.param_targets()
+        for name in self.aliased:
+            if name not in views or name not in targets:
+                return False
+            a, b = views[name][1], targets[name]
+            if (a.data_ptr(), a.shape, a.stride()) != (b.data_ptr(), b.shape, b.stride()):
+                return False
+        return True
+
+    def _resident(self, stats: SyncStats, targets: dict[str, torch.Tensor]) -> None:
+        """Aliased bytes, and the bytes of engine storages the actor does not share (unique storages)."""
+        actor = {p.untyped_storage().data_ptr() for p in self.params.values()}
+        own = {}
+        for name, t in targets.items():
+            storage = t.untyped_storage()
+            if storage.data_ptr() in actor:
+                if name in self.aliased:
+                    stats.aliased_bytes += t.numel() * t.element_size()
+            else:
+                own[storage.data_ptr()] = storage.nbytes()
+        stats.engine_weight_bytes = sum(own.values())
+
     # ------------------------------------------------------------------ sync
 
     def sync(self) -> SyncStats:
         start = time.perf_counter()
+        if self._zero_copy and not self._aliases_hold():
+            self.aliased = self._alias()
+            self.buckets, _ = self._schedule(*self._schedule_args)
         targets = self._validate()
         stats = SyncStats()
         with torch.no_grad():
@@ -351,6 +460,7 @@ class WeightSync:
                 for index, b in enumerate(self.buckets):
                     self._run_bucket(index, b, lambda i: targets[self.mine[i].name], stats, staged_bytes=0)
                 self.engine.weights_updated()
+                self._resident(stats, targets)
             else:
                 self.engine.load_weights(self._staged(stats))
         stats.seconds = time.perf_counter() - start
@@ -447,7 +557,8 @@ class WeightSync:
             have = {n: tuple(t.shape) for n, t in targets.items()}
         else:  # a loader's checkpoint names (vLLM on CPU); fused expert names from a transformers model split
             have = expert_shapes(self.engine.expected_shapes())
-        want = {t.name: t.shape for t in self.mine}
+        have = {n: s for n, s in have.items() if n not in self.aliased}  # aliased: grouped views, not written
+        want = {t.name: t.shape for t in self.mine if t.name not in self.aliased}
         missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing:
             problems.append(f"the {self.engine.kind} engine has no tensor {missing[:4]}")

@@ -67,6 +67,8 @@ class RolloutConfig:
     max_new_tokens: int = 64  # response length limit
     micro_batch_size: int = 32  # sequences generated at once by the hf engine
     sync_bucket_mb: int = 64  # weight-sync bucket size
+    # hf engine, training TP1 x PP1, same dtype: engine weights are views of the actor's (0 bytes synced)
+    zero_copy: bool = True
     verify_sync: int = 0  # every N steps compare engine and actor log-probs after the sync (0: off)
     verify_sync_tol: float = 1e-3  # largest |engine - actor| log-prob (fp32); also bounds actor/rollout_diff_max
     gpu_memory_utilization: float = 0.5  # vLLM: share of GPU memory for weights + KV cache

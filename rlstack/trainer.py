@@ -87,7 +87,12 @@ def build_trainer(cfg: ExperimentConfig, groups: ParallelGroups, placement=None)
     else:
         engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
         weight_sync = WeightSync(
-            actor.role.module, actor.role.args, groups, engine, bucket_mb=cfg.rollout.sync_bucket_mb
+            actor.role.module,
+            actor.role.args,
+            groups,
+            engine,
+            bucket_mb=cfg.rollout.sync_bucket_mb,
+            zero_copy=cfg.rollout.zero_copy,
         )
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)

@@ -89,6 +89,13 @@ class RolloutEngine(ABC):
     def weights_updated(self) -> None:
         """Called after every in-place write: drop caches derived from the old weights."""
 
+    def alias_weights(self, views: dict[str, torch.Tensor]) -> set[str]:
+        """Zero copy (`rollout.zero_copy`): make the named engine tensors these views of the actor's
+        parameters (same name as in `param_targets`; a grouped view [G, R, ...] stands for [G*R, ...]).
+        Returns the names it aliased; the weight sync skips them. Default: none. Aliased tensors are
+        the actor's own storage: nothing may write into them through the engine (`load_weights`)."""
+        return set()
+
     @abstractmethod
     def metrics(self) -> dict:
         """Counters since the last call: rollout/tokens, rollout/seconds, rollout/tokens_per_s, ..."""
@@ -115,14 +122,14 @@ def build_engine(
             f"choose rollout.tp from the divisors of the number of processes"
         )
     if rollout_cfg.engine == "hf":
-        from rlstack.rollout.hf_engine import HFEngine
+        from rlstack.rollout.zero_copy import AliasingHFEngine
 
         if rollout_cfg.tp != 1:
             raise UserError(
                 f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
                 f"(got {rollout_cfg.tp}) or use rollout.engine=vllm"
             )
-        return HFEngine(
+        return AliasingHFEngine(
             hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups)
         )
     from rlstack.rollout.vllm_engine import VLLMEngine
