@@ -47,7 +47,7 @@ class ParallelConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 0  # collective timeout: a dead or stalled rank ends the job after this; 0: auto
     # (30 on GPUs, where NCCL's first collectives and compilation are slow; 10 on CPU)
-    use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    use_distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1); same format at any DP
     threads_per_rank: int = 0  # CPU threads per rank; 0: cores / local ranks
 
 

@@ -25,7 +25,13 @@ class OptimSettings:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    use_distributed_optimizer: bool = False
+    # Shard the optimizer state (and the fp32 main params of bf16 weights) over DP: ZeRO-1, exact
+    # (tests/distributed/test_megatron_parallel.py), 1/dp of the optimizer bytes per rank. On by
+    # default; at DP 1 it holds what the plain optimizer holds (fp32 shards are views of the
+    # weights), and staying on there keeps one checkpoint format when a run resumes at another DP
+    # (megatron-core 0.16.1 cannot load a distributed-optimizer checkpoint into the plain optimizer:
+    # KeyError 'pre_wd_mult' in `_filter_and_reorder_param_groups`).
+    use_distributed_optimizer: bool = True
     optimizer: str = "adam"  # adam | sgd
     adam_eps: float = 1e-8
     # Learning-rate schedule, in trainer steps (LRSchedule.step() once per step, as verl steps its
