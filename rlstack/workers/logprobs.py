@@ -168,4 +168,3 @@ def shift_targets(tokens: torch.Tensor) -> torch.Tensor:
 def align_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     """[B, S] values computed at position t (about token t+1) -> [B, S] indexed by token t; t=0 gets 0."""
     return torch.cat([torch.zeros_like(per_position[:, :1]), per_position[:, :-1]], dim=1)
-
