@@ -149,3 +149,10 @@ def test_matches_log_softmax():
     expected = torch.log_softmax(logits[..., :VOCAB], -1)
     assert torch.allclose(full_lp, expected.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
     assert torch.allclose(full_ent, -(expected.exp() * expected).sum(-1), atol=1e-5)
+
+
+def test_planner_counts_the_same_chunk():
+    from rlstack.planner.memory import LOGPROB_CHUNK_ELEMS
+    from rlstack.workers.logprobs import CHUNK_ELEMS
+
+    assert LOGPROB_CHUNK_ELEMS == CHUNK_ELEMS
