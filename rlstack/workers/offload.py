@@ -137,13 +137,29 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
+@dataclass
+class _Group:
+    """One switched state of one trained role."""
+
+    kind: str  # params | grads | optimizer
+    role: object  # MegatronRole
+    copy: HostCopy
+
+    def offload(self) -> None:
+        if self.copy.resident:
+            # Collected afresh each time: torch Adam allocates its state at the first step, and a
+            # checkpoint load may replace it.
+            self.copy = role_states(self.role)[self.kind]
+        self.copy.offload()
+
+
 class Offloader:
     """Moves the switched-on states between device and host as the step goes through its phases."""
 
     def __init__(self, switches: dict[str, bool], trained: list, reference=None, engine=None, free_cache=False):
-        self.groups: list[tuple[str, HostCopy]] = []
-        engine_ptrs = _engine_pointers(engine)
-        for role in trained:
+        self.groups: list[_Group] = []
+        engine_ptrs = _engine_pointers(engine) if switches.get("params") else frozenset()
+        for role in trained if any(on for kind, on in switches.items() if kind != "reference") else []:
             states = role_states(role)
             for kind, on in switches.items():
                 if kind == "reference" or not on:
@@ -151,7 +167,7 @@ class Offloader:
                 if kind == "params" and states["params"].pointers() & engine_ptrs:
                     log.info("offload.params: the rollout engine shares these weights: they stay resident")
                     continue
-                self.groups.append((kind, states[kind]))
+                self.groups.append(_Group(kind, role, states[kind]))
         self.ref = HostCopy.of("reference", list(reference.module.parameters())) if switches.get("reference") else None
         self.engine = engine
         self.free_cache = free_cache and _can_sleep(engine)
@@ -169,16 +185,16 @@ class Offloader:
 
     def offloaded_bytes(self) -> int:
         """Bytes now in host memory (what left the device)."""
-        parts = [c for _, c in self.groups] + ([self.ref] if self.ref is not None else [])
+        parts = [g.copy for g in self.groups] + ([self.ref] if self.ref is not None else [])
         return sum(c.nbytes for c in parts if not c.resident)
 
     def enter(self, phase: str) -> None:
         assert phase in PHASES, phase
-        for kind, copy in self.groups:
-            if phase in _RESIDENT[kind]:
-                copy.reload()
+        for group in self.groups:
+            if phase in _RESIDENT[group.kind]:
+                group.copy.reload()
             else:
-                copy.offload()
+                group.offload()
         if self.ref is not None:
             self.ref.offload()
         self._engine(_ENGINE.get(phase, ()))

@@ -87,9 +87,12 @@ def _run(overrides, out_dir, cache):
     seen = []
     generate = trainer.generate
 
-    def spy(*args, **kwargs):  # during the rollout: what has left the storages
-        actor_param = next(trainer.actor.role.module.parameters())
-        seen.append((trainer.offload.offloaded_bytes(), actor_param.untyped_storage().nbytes()))
+    def spy(*args, **kwargs):  # during the rollout: what has left the storages (Adam's from step 2)
+        role = trainer.actor.role
+        actor_param = next(role.module.parameters())
+        adam = [v for s in role.optimizer.chained_optimizers[0].optimizer.state.values() for v in s.values()]
+        adam_bytes = sum(v.untyped_storage().nbytes() for v in adam if torch.is_tensor(v) and v.numel() > 1)
+        seen.append((trainer.offload.offloaded_bytes(), actor_param.untyped_storage().nbytes(), len(adam), adam_bytes))
         return generate(*args, **kwargs)
 
     trainer.generate = spy
@@ -97,7 +100,7 @@ def _run(overrides, out_dir, cache):
     for _ in range(2):
         m = trainer.train_step()
         metrics.append({k: v for k, v in m.items() if not k.startswith(VOLATILE)})
-    assert all(copy.resident for _, copy in trainer.offload.groups)  # the trained roles' states, at the step's end
+    assert all(group.copy.resident for group in trainer.offload.groups)  # the trained roles' states, at the step's end
     state = _state(trainer)
     trainer.engine.close()
     return metrics, state, seen
@@ -115,5 +118,7 @@ def _compare(out_dir, cache):
 def test_offload_round_trip_is_bit_identical(tmp_path, tiny_cache):
     for differ, off_seen, on_seen in run_distributed(_compare, 2, str(tmp_path), tiny_cache, timeout=300):
         assert differ == [], f"offload changed: {differ[:5]}"
-        assert all(nbytes == 0 for nbytes, _ in off_seen)
-        assert all(nbytes > 0 and actor_storage == 0 for nbytes, actor_storage in on_seen), on_seen
+        assert all(nbytes == 0 for nbytes, *_ in off_seen)
+        assert all(nbytes > 0 and actor_storage == 0 for nbytes, actor_storage, *_ in on_seen), on_seen
+        assert off_seen[1][2] > 0 and off_seen[1][3] > 0  # step 2's rollout: Adam state exists ...
+        assert on_seen[1][2] > 0 and on_seen[1][3] == 0, on_seen  # ... and with offload it is on the host
