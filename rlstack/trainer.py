@@ -196,6 +196,11 @@ class Trainer:
         self.step = 0
         self._reward_results: list = []
         self._rm_metrics: dict = {}  # reward/rm_* of the last scoring (with a reward model)
+        # --- offload (rlstack.workers.offload): states to host in the phases that do not use them
+        from rlstack.workers.offload import Offloader
+
+        critic_role = self.critic.role if self.critic is not None else None
+        self.offload = Offloader.from_config(cfg, self.actor.role, critic_role, self.ref, self.engine)
 
     # ------------------------------------------------------------------ state
 
@@ -241,6 +246,7 @@ class Trainer:
         cfg, g = self.cfg, self.groups
         timings, t_step = {}, time.perf_counter()
         t0 = time.perf_counter()
+        self.offload.enter("sync")  # offload: actor weights in, engine weights awake
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
         # rollout.verify_sync: stale engine weights stop the run
@@ -254,6 +260,7 @@ class Trainer:
             sync_check.probe_prompts(self.train_set),
         )
 
+        self.offload.enter("rollout")  # offload: after the sync, before generation
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
         gens, gen_tokens = self.generate(global_prompts, greedy=False)
@@ -277,6 +284,7 @@ class Trainer:
         metrics = self._update(rollout, forward_only=dry_run)
         sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
+        self.offload.enter("idle")  # offload: everything resident for checkpoints (vLLM stays asleep)
         timings["timing/step_s"] = time.perf_counter() - t_step
 
         metrics.update(timings)
@@ -434,15 +442,18 @@ class Trainer:
         mbs = a.micro_batch_size
         metrics = {}
         # (split placement streams these per rollout micro-batch: already filled then)
+        self.offload.enter("scoring")  # offload: weights in; grads and optimizer stay out
         if not rollout.on_policy:
             if rollout.old_logprob is None:
                 rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, self.cfg.rollout.temperature)
             metrics.update(self._engine_agreement(rollout))
         if self.ref is not None and rollout.ref_logprob is None:
-            rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, self.cfg.rollout.temperature)
+            with self.offload.reference():  # offload: the reference's weights in for its forward only
+                rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, self.cfg.rollout.temperature)
         if self.critic is not None and rollout.old_values is None:
             rollout.old_values = self.critic.compute_values(rollout, mbs)
         metrics.update(self._advantages(rollout))
+        self.offload.enter("update")  # offload: grads and optimizer state back
         minis = rollout.mini_batches(a.mini_batch_size, g.dims.dp, mbs)
         actor_stats, critic_stats, grad_norms, critic_norms = [], [], [], []
         train_actor = self.step >= a.critic_warmup_steps
@@ -622,6 +633,8 @@ class Trainer:
             return {}
         from rlstack.data.dataset import val_accuracy
 
+        self.offload.enter("rollout")  # offload: the engine generates; "idle" again below for checkpoints
+
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, size = [], self.cfg.data.val_batch_size  # prompts generated at once (bounds engine memory)
         for start in range(0, len(prompts), size):
@@ -632,6 +645,7 @@ class Trainer:
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
         metrics.update({"val/" + k: v for k, v in self._rm_metrics.items()})
+        self.offload.enter("idle")  # offload
         return metrics
 
     def _rewards(self, prompts: list, gens: list, over_dp: bool = True) -> list[float]:

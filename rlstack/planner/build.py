@@ -33,7 +33,7 @@ class Plan:
     other_recompute_peak: int  # the peak with model.gradient_checkpointing flipped
     suggestion: list[str] = field(default_factory=list)  # overrides that would fit (when it does not)
     suggestion_peak: int = 0
-    offload_peak: int = 0  # the peak with optimizer state (main params, Adam) in host memory
+    offload_peak: int = 0  # the peak with every offload switch on (offload.*, rollout.free_cache_during_update)
     notes: list[str] = field(default_factory=list)
 
     def total(self, phase: str) -> int:
@@ -105,7 +105,7 @@ def plan_for_config(
     )
     flipped = _with(cfg, {"model.gradient_checkpointing": not cfg.model.gradient_checkpointing})
     plan.other_recompute_peak = _peak(flipped, dims, shape, args, device, budget, fused_attention)
-    plan.offload_peak = peak_of([i for i in items if not i.name.startswith("optimizer")])
+    plan.offload_peak = _peak(_with(cfg, offload_changes(cfg)), dims, shape, args, device, budget, fused_attention)
     plan.notes = _notes(cfg, plan)
     if suggest and not plan.fits:
         plan.suggestion, plan.suggestion_peak = suggest_fix(cfg, dims, shape, args, device, budget, fused_attention)
@@ -174,7 +174,7 @@ def _peak(cfg, dims, shape, args, device, budget, fused_attention) -> int:
 # ----------------------------------------------------------------------------- what would fit
 
 
-def candidate_changes(cfg, plan_kv: KvReport, dims) -> list[dict]:
+def candidate_changes(cfg, plan_kv: KvReport, dims, device: str = "gpu") -> list[dict]:
     """Changes in order of cost: free ones first (vLLM share, distributed optimizer), then time."""
     out = []
     r = cfg.rollout
@@ -188,7 +188,17 @@ def candidate_changes(cfg, plan_kv: KvReport, dims) -> list[dict]:
         out.append({"algorithm.micro_batch_size": mbs})
     if not cfg.model.gradient_checkpointing:
         out.append({"model.gradient_checkpointing": True})
+    if device == "gpu":  # offload trades host<->GPU copies each step for memory; on CPU it saves nothing
+        out += [{key: True} for key in offload_changes(cfg)]
     return out
+
+
+def offload_changes(cfg) -> dict:
+    """Every offload switch on (rlstack/workers/offload.py); the KV cache one with vLLM only."""
+    keys = ["offload.optimizer", "offload.grads", "offload.reference", "offload.params"]
+    if cfg.rollout.engine == "vllm":
+        keys.append("rollout.free_cache_during_update")
+    return {key: True for key in keys}
 
 
 def suggest_fix(cfg, dims, shape, args, device, budget, fused_attention) -> tuple[list[str], int]:
@@ -196,7 +206,7 @@ def suggest_fix(cfg, dims, shape, args, device, budget, fused_attention) -> tupl
     setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
     _, _, kv = _most_loaded_stage(cfg, dims, shape, setting, device, budget)
     applied, current = {}, cfg
-    for change in candidate_changes(cfg, kv, dims):
+    for change in candidate_changes(cfg, kv, dims, device):
         # A smaller micro-batch replaces the previous one; recompute is tried with the smallest.
         applied.update(change)
         current = _with(cfg, applied)

@@ -95,6 +95,7 @@ def stage_items(cfg, dims, shape, setting: Setting, device: str, budget: int, st
         items += reward_model_items(cfg, dims, shape, setting, stage)
     engine, kv = engine_items(cfg, dims, shape, setting, device, budget)
     items += engine
+    items = offloaded(cfg, items, device)
     items += runtime_items(dims, cfg, shape, setting, device, items)
     return items, kv
 
@@ -159,8 +160,8 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
         items.append(
             Item(
                 role,
-                f"log-prob/entropy temporaries ([{mb.count} tokens, {shape.padded_vocab_size // tp}"
-                f" vocab/tp] fp32 copies)",
+                f"log-prob/entropy: logits + their gradient, fp32 row chunks of [{mb.count} tokens, "
+                f"{shape.padded_vocab_size // tp} vocab/tp]",
                 {"scoring": lp_score, "update": m.logprob_train_bytes(shape, tp, mb, e, temperature)},
                 transient=True,
             )
@@ -246,13 +247,16 @@ def _vllm_gpu_items(r, shape, s: Setting, budget: int):
         share - weights - profile,
         recommended,
     )
-    # Without sleep mode vLLM keeps its whole share (weights + KV cache) through scoring and update.
+    # Without sleep mode vLLM keeps its whole share (weights + KV cache) through scoring and update;
+    # rollout.free_cache_during_update puts it to sleep (level 1: weights to host, cache dropped) there.
+    held = {"rollout": share} if r.free_cache_during_update else _every(share)
     items = [
         Item(
             "rollout",
             f"vLLM share (gpu_memory_utilization {r.gpu_memory_utilization:g}: weights "
-            f"{weights / GIB:.2f} GiB + KV cache)",
-            _every(share),
+            f"{weights / GIB:.2f} GiB + KV cache"
+            + (", asleep outside the rollout)" if r.free_cache_during_update else ")"),
+            held,
         ),
         Item("rollout", "weight-sync bucket", {"rollout": r.sync_bucket_mb << 20}, transient=True),
     ]
@@ -307,6 +311,49 @@ def runtime_items(dims, cfg, shape, s: Setting, device: str, items: list[Item]) 
     training = [i for i in items if i.role != "rollout"]
     headroom = {p: int(ALLOCATOR_HEADROOM * phase_total(training, p)) for p in PHASES}
     out.append(Item("runtime", f"allocator fragmentation ({ALLOCATOR_HEADROOM:.0%} of the training bytes)", headroom))
+    return out
+
+
+# ----------------------------------------------------------------------------- offload (offload.*)
+
+# Planner phases in which an offloaded state is on the GPU (rlstack/workers/offload.py's table: the
+# optimizer `step` is part of its update; the reference is in for its own scoring forward only).
+# The rollout phase is the generation, after the weight sync, when the actor's weights have left.
+OFFLOAD_RESIDENT = {
+    "params": ("scoring", "update", "step"),
+    "grads": ("update", "step"),
+    "optimizer": ("update", "step"),
+    "reference": ("scoring",),
+}
+
+
+def offload_switch(item: Item) -> Optional[str]:
+    """Which `offload.*` switch moves this line of the plan (None: none does)."""
+    if item.role in ("actor", "critic"):
+        for prefix, switch in (("weights (", "params"), ("gradients (", "grads"), ("optimizer (", "optimizer")):
+            if item.name.startswith(prefix):
+                return switch
+    if item.role == "reference" and item.name.startswith("weights ("):
+        return "reference"
+    return None
+
+
+def offloaded(cfg, items: list[Item], device: str) -> list[Item]:
+    """The plan's lines with each offloaded state on the GPU only in the phases that use it.
+
+    On CPU the host is both sides of the move (the plan's memory is host memory): nothing drops.
+    """
+    if device == "cpu":
+        return items
+    out = []
+    for item in items:
+        switch = offload_switch(item)
+        if switch is None or not getattr(cfg.offload, switch):
+            out.append(item)
+            continue
+        phases = OFFLOAD_RESIDENT[switch]
+        name = f"{item.name} [offload.{switch}: on the GPU in {', '.join(phases)}]"
+        out.append(Item(item.role, name, {p: b for p, b in item.bytes.items() if p in phases}, item.transient))
     return out
 
 

@@ -2,7 +2,7 @@
 
 Every function takes plain numbers and returns bytes (or a parameter count). The formulas follow
 what rlstack's code paths allocate (megatron local/TE layer specs, megatron DDP with fp32 gradient
-buffers, megatron's optimizer over torch Adam, `workers/logprobs.py`); Megatron-LM's
+buffers, megatron's optimizer over torch Adam, `workers/logprobs.py`'s chunked log-probs); Megatron-LM's
 `megatron/training/theoretical_memory_usage.py` (Korthikanti et al. 2022, Table 2) is the reference
 for the training side. Shape comments use t = tensor parallel size.
 """
@@ -224,30 +224,32 @@ def logits_elems(s: Shape, tp: int, mb: Tokens) -> int:
     return mb.count * (s.padded_vocab_size // tp)
 
 
+# workers/logprobs.py CHUNK_ELEMS (this module stays torch-free; tests/distributed/test_logprobs.py checks they agree)
+LOGPROB_CHUNK_ELEMS = 4 * 2**20
+LOGPROB_ROW_BYTES = 4 * 8  # per token: max, log Z, entropy, the reduced sums, targets (int64) ...
+
+
+def logprob_chunk_bytes(s: Shape, tp: int, mb: Tokens) -> int:
+    """The two fp32 [chunk, V/t] temporaries of one row chunk (one row at least, the micro-batch at most)."""
+    return 2 * 4 * min(logits_elems(s, tp, mb), max(LOGPROB_CHUNK_ELEMS, s.padded_vocab_size // tp))
+
+
 def logprob_train_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, temperature: float) -> int:
     """Peak of `vocab_parallel_logprobs(..., with_entropy=True)` with grad (the actor's update).
 
-    Forward peak, per logit: the model's logits (act dtype) and their fp32 copy (bf16 only), the
-    fp32 division by the temperature (when != 1), `shifted`, `exp`, the entropy's `exp > 0` mask (1
-    byte), `exp * shifted`, `zeros_like(exp)` and the `where` result: the backward then holds about
-    as much (shifted, exp and the mask saved, plus three to four fp32 gradients of the same shape).
+    The chunked function saves the logits it is given (act dtype; the model's output, kept for the
+    backward) and writes their gradient (same dtype); the softmax lives in two fp32 chunk
+    temporaries at a time, forward and backward, whatever the temperature (applied per chunk).
+    Measured: docs/benchmarks.md "where the memory goes".
     """
-    per_elem = act_bytes + 4 * 5 + 1
-    if act_bytes != 4:
-        per_elem += 4  # logits.float()
-    if temperature != 1.0:
-        per_elem += 4  # logits / temperature
-    return logits_elems(s, tp, mb) * per_elem
+    del temperature  # applied inside each chunk: no full-size copy
+    return logits_elems(s, tp, mb) * 2 * act_bytes + logprob_chunk_bytes(s, tp, mb) + mb.count * LOGPROB_ROW_BYTES
 
 
 def logprob_forward_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, temperature: float) -> int:
-    """Peak of a forward-only log-prob (reference / old log-probs): logits, [fp32 copy], [/T], shifted, exp."""
-    per_elem = act_bytes + 4 * 2
-    if act_bytes != 4:
-        per_elem += 4
-    if temperature != 1.0:
-        per_elem += 4
-    return logits_elems(s, tp, mb) * per_elem
+    """Peak of a forward-only log-prob (reference / old log-probs): the logits and one chunk's temporaries."""
+    del temperature
+    return logits_elems(s, tp, mb) * act_bytes + logprob_chunk_bytes(s, tp, mb) + mb.count * LOGPROB_ROW_BYTES
 
 
 def value_head_bytes(mb: Tokens) -> int:

@@ -88,9 +88,9 @@ def _verdict(plan: Plan) -> str:
     if plan.suggestion:
         return peak + f": does not fit; {' '.join(plan.suggestion)} would fit (peak {gib(plan.suggestion_peak)} GiB)"
     return peak + (
-        f": does not fit even with recompute, micro-batch 1, the distributed optimizer and the vLLM "
-        f"share at its need; optimizer-state offload to the host would give {gib(plan.offload_peak)} GiB "
-        f"(not in rlstack yet): add GPUs (parallel.tp/pp) or offload"
+        f": does not fit even with recompute, micro-batch 1, the distributed optimizer, the vLLM "
+        f"share at its need and every offload switch (offload.*: {gib(plan.offload_peak)} GiB alone): "
+        f"add GPUs (parallel.tp/pp)"
     )
 
 

@@ -262,6 +262,8 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
         kwargs["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        # rollout.free_cache_during_update: LLM.sleep/wake_up (rlstack.workers.offload) need it
+        kwargs["enable_sleep_mode"] = cfg.free_cache_during_update
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_dir, cfg, max_model_len)
     return LLM(**kwargs)

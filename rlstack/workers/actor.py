@@ -24,10 +24,17 @@ def token_logprobs(
     so the importance ratio compares like with like.
     """
     g = role.groups
-    if temperature != 1.0:
-        logits = logits.float() / temperature
+    # The temperature is applied inside, chunk by chunk: `logits.float() / T` here would be a full
+    # fp32 [b, S, V/tp] copy (and the autograd graph would keep it).
     out = vocab_parallel_logprobs(
-        logits, shift_targets(mb["tokens"]), role.args.vocab_size, g.tp, g.tp_rank, g.dims.tp, with_entropy=with_entropy
+        logits,
+        shift_targets(mb["tokens"]),
+        role.args.vocab_size,
+        g.tp,
+        g.tp_rank,
+        g.dims.tp,
+        with_entropy=with_entropy,
+        temperature=temperature,
     )
     if with_entropy:
         return align_to_tokens(out[0]), align_to_tokens(out[1])

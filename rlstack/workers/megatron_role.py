@@ -25,7 +25,13 @@ class OptimSettings:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    use_distributed_optimizer: bool = False
+    # Shard the optimizer state (and the fp32 main params of bf16 weights) over DP: ZeRO-1, exact
+    # (tests/distributed/test_megatron_parallel.py), 1/dp of the optimizer bytes per rank. On by
+    # default; at DP 1 it holds what the plain optimizer holds (fp32 shards are views of the
+    # weights), and staying on there keeps one checkpoint format when a run resumes at another DP
+    # (megatron-core 0.16.1 cannot load a distributed-optimizer checkpoint into the plain optimizer:
+    # KeyError 'pre_wd_mult' in `_filter_and_reorder_param_groups`).
+    use_distributed_optimizer: bool = True
     optimizer: str = "adam"  # adam | sgd
     adam_eps: float = 1e-8
     # Learning-rate schedule, in trainer steps (LRSchedule.step() once per step, as verl steps its
@@ -191,6 +197,12 @@ def _call_loss(loss_fn, mb, output):
     return loss, stats
 
 
+def _distributed(optim: OptimSettings) -> bool:
+    """megatron-core 0.16.1's DistributedOptimizer takes Adam only ("Only Adam and HybridDeviceOptimizer
+    currently supported", distrib_optimizer.py): SGD (a test-only setting) keeps the plain optimizer."""
+    return optim.use_distributed_optimizer and optim.optimizer == "adam"
+
+
 def _wrap_for_training(model, config, optim: OptimSettings):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -199,7 +211,7 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=optim.use_distributed_optimizer,
+        use_distributed_optimizer=_distributed(optim),
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -218,7 +230,7 @@ def _wrap_for_training(model, config, optim: OptimSettings):
         bf16=config.bf16,
         fp16=config.fp16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=optim.use_distributed_optimizer,
+        use_distributed_optimizer=_distributed(optim),
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     schedule = LRSchedule(optimizer, optim)  # sets every group's lr for step 0

@@ -75,10 +75,11 @@ def test_activations_with_and_without_recompute():
 
 def test_logprob_temporaries_and_kv_cache():
     mb = m.Tokens(batch=2, seq_len=4)
-    # 8 x 128 logits; bf16 logits + fp32 copy + 5 fp32 temporaries + a bool mask = 27 bytes each
-    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=1.0) == 1024 * 27
-    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=0.5) == 1024 * 31
-    assert m.logprob_forward_bytes(S, 1, mb, 4, temperature=1.0) == 1024 * 12
+    # 8 x 128 logits: bf16 logits + their bf16 gradient, two fp32 chunks (here the whole micro-batch),
+    # 32 bytes of per-row stats; the temperature is applied per chunk (no full-size copy)
+    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=1.0) == 1024 * (2 + 2 + 8) + 8 * 32
+    assert m.logprob_train_bytes(S, 1, mb, 2, temperature=0.5) == 1024 * (2 + 2 + 8) + 8 * 32
+    assert m.logprob_forward_bytes(S, 1, mb, 4, temperature=1.0) == 1024 * (4 + 8) + 8 * 32
     # K and V, 2 layers, 1 KV head of dim 4, bf16: 32 bytes per token
     assert m.kv_bytes_per_token(S, rollout_tp=1, kv_bytes=2) == 32
     assert m.kv_cache_bytes(S, 1, 2, num_seqs=3, max_model_len=10) == 960

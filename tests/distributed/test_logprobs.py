@@ -1,0 +1,158 @@
+"""The chunked, recomputing log-prob/entropy function equals the plain autograd one it replaced.
+
+`reference_logprobs` below is the implementation rlstack used before (full fp32 [tokens, V/tp]
+copies, megatron's autograd all-reduce); it stays here only as the oracle. Values and gradients
+w.r.t. the logits (of logprob and entropy, with random upstream gradients) must agree within 1e-6,
+at TP1 and TP2 (two spawned gloo ranks), with vocab padding (real < shard) and targets both in and
+out of each rank's shard, several row chunks, and a temperature.
+"""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+VOCAB, PADDED = 50, 64  # 14 padded columns: at TP2 the second shard [32, 64) has 18 real columns
+B, S = 3, 7
+
+
+def reference_logprobs(logits, targets, vocab_size, tp_group, tp_rank, tp_size, with_entropy=False):
+    """rlstack's log-probs before the chunked function (the oracle; not product code)."""
+
+    def reduce(x):
+        if tp_size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x, group=tp_group)
+
+    def all_reduce_max(x):
+        if tp_size == 1:
+            return x
+        x = x.clone()
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        return x
+
+    logits = logits.float()
+    shard = logits.shape[-1]
+    start = tp_rank * shard
+    real = max(0, min(shard, vocab_size - start))
+    if real < shard:
+        pad = torch.zeros(shard, dtype=torch.bool)
+        pad[real:] = True
+        logits = logits.masked_fill(pad, float("-inf"))
+    row_max = all_reduce_max(logits.detach().max(dim=-1).values)
+    shifted = logits - row_max.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = reduce(exp.sum(dim=-1))
+    local_t = targets - start
+    in_shard = (local_t >= 0) & (local_t < real)
+    picked = shifted.gather(-1, local_t.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    picked = reduce(torch.where(in_shard, picked, torch.zeros_like(picked)))
+    log_z = sum_exp.log()
+    logprob = picked - log_z
+    if not with_entropy:
+        return logprob
+    p_times_s = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
+    return logprob, log_z - reduce(p_times_s) / sum_exp
+
+
+def _inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(B, S, PADDED, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, VOCAB, (B, S), generator=gen)
+    targets[0, :4] = torch.tensor([0, 31, 32, VOCAB - 1])  # shard edges
+    g_lp, g_ent = torch.randn(B, S, generator=gen), torch.randn(B, S, generator=gen)
+    return logits, targets, g_lp, g_ent
+
+
+def _both(shard, targets, g_lp, g_ent, group, rank, size, with_entropy, temperature, chunk_elems):
+    """(values, grad) of the new and the reference function on this rank's logits shard."""
+    from rlstack.workers.logprobs import vocab_parallel_logprobs
+
+    out = {}
+    for name in ("new", "ref"):
+        x = shard.clone().requires_grad_(True)
+        if name == "new":
+            res = vocab_parallel_logprobs(
+                x, targets, VOCAB, group, rank, size, with_entropy, temperature, chunk_elems=chunk_elems
+            )
+        else:
+            scaled = x.float() / temperature if temperature != 1.0 else x
+            res = reference_logprobs(scaled, targets, VOCAB, group, rank, size, with_entropy)
+        res = res if with_entropy else (res,)
+        loss = (res[0] * g_lp).sum() + ((res[1] * g_ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        out[name] = ([r.detach() for r in res], x.grad)
+    return out
+
+
+def _max_diffs(out) -> list[float]:
+    (new_vals, new_grad), (ref_vals, ref_grad) = out["new"], out["ref"]
+    diffs = [float((a - b).abs().max()) for a, b in zip(new_vals, ref_vals)]
+    return diffs + [float((new_grad.float() - ref_grad.float()).abs().max())]
+
+
+CASES = [  # (with_entropy, temperature, chunk_elems): chunks of 1, 3 and all rows
+    (True, 1.0, 50),
+    (True, 0.7, 150),
+    (False, 1.0, 10**9),
+    (False, 1.3, 50),
+]
+
+
+@pytest.mark.parametrize("with_entropy,temperature,chunk_elems", CASES)
+def test_tp1_equals_reference(with_entropy, temperature, chunk_elems):
+    logits, targets, g_lp, g_ent = _inputs()
+    out = _both(logits, targets, g_lp, g_ent, None, 0, 1, with_entropy, temperature, chunk_elems)
+    assert max(_max_diffs(out)) < 1e-6, _max_diffs(out)
+    assert float(out["new"][1][..., VOCAB:].abs().max()) == 0.0  # padded columns get no gradient
+
+
+def test_bf16_logits_gradient_in_bf16():
+    logits, targets, g_lp, g_ent = _inputs(torch.bfloat16)
+    out = _both(logits, targets, g_lp, g_ent, None, 0, 1, True, 1.0, 100)
+    assert out["new"][1].dtype == torch.bfloat16
+    values, grad = _max_diffs(out)[:2], _max_diffs(out)[2]
+    assert max(values) < 1e-5 and grad < 1e-2, _max_diffs(out)  # fp32 maths, the gradient rounded to bf16
+
+
+def _tp2_worker(cases):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    logits, targets, g_lp, g_ent = _inputs()
+    shard = logits[..., rank * (PADDED // 2) : (rank + 1) * (PADDED // 2)].contiguous()
+    # each rank its own upstream gradients: the backward of an all-reduced sum is the identity per rank
+    g_lp, g_ent = g_lp * (1 + rank), g_ent * (1 - 2 * rank)
+    results = []
+    for with_entropy, temperature, chunk_elems in cases:
+        out = _both(shard, targets, g_lp, g_ent, dist.group.WORLD, rank, 2, with_entropy, temperature, chunk_elems)
+        results.append(_max_diffs(out))
+    return results
+
+
+def test_tp2_equals_reference():
+    per_rank = run_distributed(_tp2_worker, 2, CASES, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for case, diffs in zip(CASES, results):
+            assert max(diffs) < 1e-6, (rank, case, diffs)
+
+
+def test_matches_log_softmax():
+    """Against torch.log_softmax over the real columns (the oracle could share a mistake)."""
+    from rlstack.workers.logprobs import vocab_parallel_logprobs
+
+    logits, targets, _, _ = _inputs()
+    full_lp, full_ent = vocab_parallel_logprobs(logits, targets, VOCAB, None, 0, 1, with_entropy=True)
+    expected = torch.log_softmax(logits[..., :VOCAB], -1)
+    assert torch.allclose(full_lp, expected.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.allclose(full_ent, -(expected.exp() * expected).sum(-1), atol=1e-5)
+
+
+def test_planner_counts_the_same_chunk():
+    from rlstack.planner.memory import LOGPROB_CHUNK_ELEMS
+    from rlstack.workers.logprobs import CHUNK_ELEMS
+
+    assert LOGPROB_CHUNK_ELEMS == CHUNK_ELEMS
