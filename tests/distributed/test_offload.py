@@ -106,9 +106,9 @@ def _run(overrides, out_dir, cache):
     return metrics, state, seen
 
 
-def _compare(out_dir, cache):
-    off_metrics, off_state, off_seen = _run([], out_dir + "/off", cache)
-    on_metrics, on_state, on_seen = _run(ALL_ON, out_dir + "/on", cache)
+def _compare(out_dir, cache, base):
+    off_metrics, off_state, off_seen = _run(base, out_dir + "/off", cache)
+    on_metrics, on_state, on_seen = _run(base + ALL_ON, out_dir + "/on", cache)
     assert off_metrics == on_metrics, (off_metrics, on_metrics)
     assert off_state.keys() == on_state.keys()
     differ = [k for k in off_state if not torch.equal(off_state[k], on_state[k])]
@@ -116,9 +116,20 @@ def _compare(out_dir, cache):
 
 
 def test_offload_round_trip_is_bit_identical(tmp_path, tiny_cache):
-    for differ, off_seen, on_seen in run_distributed(_compare, 2, str(tmp_path), tiny_cache, timeout=300):
+    # A copying engine: with zero copy the engine decodes on the actor's own weights (next test).
+    base = ["rollout.zero_copy=false"]
+    for differ, off_seen, on_seen in run_distributed(_compare, 2, str(tmp_path), tiny_cache, base, timeout=300):
         assert differ == [], f"offload changed: {differ[:5]}"
         assert all(nbytes == 0 for nbytes, *_ in off_seen)
         assert all(nbytes > 0 and actor_storage == 0 for nbytes, actor_storage, *_ in on_seen), on_seen
         assert off_seen[1][2] > 0 and off_seen[1][3] > 0  # step 2's rollout: Adam state exists ...
         assert on_seen[1][2] > 0 and on_seen[1][3] == 0, on_seen  # ... and with offload it is on the host
+
+
+def test_offload_params_keeps_weights_a_zero_copy_engine_shares(tmp_path, tiny_cache):
+    """offload.params with the zero-copy hf engine: the actor's weights are the engine's, so they stay
+    resident through the rollout; the other states still leave, and training is still bit-identical."""
+    for differ, _, on_seen in run_distributed(_compare, 2, str(tmp_path), tiny_cache, [], timeout=300):
+        assert differ == [], f"offload changed: {differ[:5]}"
+        assert all(nbytes > 0 and actor_storage > 0 for nbytes, actor_storage, *_ in on_seen), on_seen
+        assert on_seen[1][2] > 0 and on_seen[1][3] == 0, on_seen  # Adam's state is on the host
