@@ -88,6 +88,33 @@ def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
     return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape}
 
 
+def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
+    """FLOP/s of one pass over `count` distinct weights of each shape, in the model's order (the decode ceiling).
+
+    A decode step multiplies a few rows by every weight of the model once: at 16 rows and fp32 that is
+    ~2x16 FLOPs per 4-byte weight, so the step streams the weights from memory (SmolLM2: 538 MB, far
+    more than any cache). `matmul_rate` times one weight repeatedly, which then sits in cache: an upper
+    bound no decode step reaches. Here every layer has its own weights, so the pass reads them all.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    weights, inputs, flops = [], {}, 0.0  # every weight of one rank's model: [n, k] each
+    for m, k, n, count in shapes:
+        for _ in range(count):
+            weights.append(torch.randn(n, k, dtype=dtype, device=device))
+            flops += 2.0 * m * k * n
+        inputs.setdefault(k, torch.randn(m, k, dtype=dtype, device=device))  # [m, k]
+
+    def one_pass():
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    t = _time_calls(one_pass, device)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    return {"flops_per_s": flops / t, "seconds_per_pass": t, "weight_bytes": weight_bytes}
+
+
 def memcpy_rate(nbytes: int, device) -> float:
     """Bytes copied per second (each byte read once and written once) for one large tensor copy."""
     import torch
@@ -114,7 +141,8 @@ def measure(
     device = torch.device(device_name)
     return {
         "train": matmul_rate(model_shapes(dims, train_rows, tp, pp), dtype, device),
-        "decode": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
+        "decode": streamed_pass_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
+        "decode_hot": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
         "memcpy_bytes_per_s": memcpy_rate(memcpy_mib * 2**20, device),
     }
 
@@ -152,7 +180,10 @@ def combine(results: list[dict], procs: int, threads: int) -> dict:
         per = statistics.median(r[kind]["flops_per_s"] for r in results)
         out[f"{kind}_flops_per_s"] = per
         out[f"{kind}_flops_per_s_total"] = per * procs
-        out[f"{kind}_shapes"] = results[0][kind]["shapes"]
+        out[f"{kind}_shapes"] = results[0][kind].get("shapes", [])
+    if all("decode_hot" in r for r in results):  # the same shapes, each weight timed hot in cache
+        out["decode_hot_flops_per_s"] = statistics.median(r["decode_hot"]["flops_per_s"] for r in results)
+        out["decode_hot_flops_per_s_total"] = out["decode_hot_flops_per_s"] * procs
     per = statistics.median(r["memcpy_bytes_per_s"] for r in results)
     out["memcpy_bytes_per_s"] = per
     out["memcpy_bytes_per_s_total"] = per * procs
