@@ -9,8 +9,10 @@ and drops finished rows from the batch (and its KV cache) as they stop.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -113,6 +115,43 @@ def _reserved_cache(config, capacity: int):
     return cache
 
 
+def _packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # x [..., k] -> [..., n]
+
+
+def _can_pack(model: torch.nn.Module) -> bool:
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@contextlib.contextmanager
+def _packed_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
+    """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
+
+    A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
+    F.linear reaches ~55 GFLOP/s there on one AVX-512 core (SmolLM2: 80 ms a step), the reordered
+    weights ~140 (31 ms), near the memory bandwidth. The copies are built per generate() call, after
+    any weight sync (so they always match the parameters the sync writes into), and freed at its end:
+    +1x the linear weights during rollout only. Values differ from F.linear by rounding (~3e-6
+    relative). Yields the bytes packed (0 where packing does not apply: GPU, bf16, no oneDNN).
+    """
+    if not _can_pack(model):
+        yield 0
+        return
+    patched, nbytes = [], 0
+    try:
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
+                mod.forward = functools.partial(_packed_forward, packed=packed, bias=mod.bias)
+                patched.append(mod)
+                nbytes += mod.weight.numel() * mod.weight.element_size()
+        yield nbytes
+    finally:
+        for mod in patched:
+            del mod.forward  # the class's own forward again
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -177,10 +216,11 @@ class HFEngine(RolloutEngine):
         order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]))
         results: list[Optional[Generation]] = [None] * len(rows)
         mbs = max(1, self.cfg.micro_batch_size)
-        for lo in range(0, len(order), mbs):
-            chunk = order[lo : lo + mbs]
-            for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator)):
-                results[r] = gen
+        with _packed_linears(self.model, min(mbs, len(rows))):
+            for lo in range(0, len(order), mbs):
+                chunk = order[lo : lo + mbs]
+                for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator)):
+                    results[r] = gen
         self._counters.seconds += time.perf_counter() - start
         self._counters.sequences += len(rows)
         self._counters.tokens += sum(len(g.response_ids) for g in results)

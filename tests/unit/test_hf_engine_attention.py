@@ -79,3 +79,24 @@ def test_distinct_prompts_map_each_row_to_its_prompt():
     unique, row_of = hf_engine.HFEngine._distinct_prompts(rows)
     assert unique == [[1, 2], [3]]
     assert row_of.tolist() == [0, 0, 1, 0, 1]
+
+
+def test_packed_linears_follow_the_weights_and_undo_themselves():
+    _, model = _models()
+    ids, mask, pos = _batch()
+
+    def logits():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+    plain = logits()
+    with hf_engine._packed_linears(model, rows=3) as nbytes:
+        packed = logits()
+    assert nbytes == sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)  # another kernel: rounding only
+    torch.testing.assert_close(logits(), plain, rtol=0, atol=0)  # F.linear again after the block
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # a weight sync writes in place
+    changed = logits()
+    with hf_engine._packed_linears(model, rows=3):
+        torch.testing.assert_close(logits(), changed, rtol=1e-5, atol=1e-5)  # packed from the new weights
