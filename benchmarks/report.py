@@ -298,9 +298,36 @@ def ceilings_table(results: dict) -> list[str]:
             fmt_num(c["train_flops_per_s_total"], "FLOP/s"),
         ),
         _row(
-            "matmul at decode shapes",
+            f"decode pass over all weights, streamed (fastest kernel: {c.get('decode_kernel', 'F.linear')})",
             fmt_num(c["decode_flops_per_s"], "FLOP/s"),
             fmt_num(c["decode_flops_per_s_total"], "FLOP/s"),
+        ),
+        *[
+            _row(f"&nbsp;&nbsp;kernel {k}", fmt_num(v, "FLOP/s"), fmt_num(v * c["procs"], "FLOP/s"))
+            for k, v in c.get("decode_by_kernel", {}).items()
+        ],
+        *(
+            [
+                _row(
+                    "matmul at decode shapes, one weight hot in cache (F.linear; not a decode ceiling)",
+                    fmt_num(c["decode_hot_flops_per_s"], "FLOP/s"),
+                    fmt_num(c["decode_hot_flops_per_s_total"], "FLOP/s"),
+                )
+            ]
+            if "decode_hot_flops_per_s" in c
+            else []
+        ),
+        *(
+            [
+                _row(
+                    f"memory read (sum of a large tensor); decode weights {fmt_num(c['decode_weight_bytes'], 'B')} "
+                    f"a step: {fmt_num(c['decode_weight_bytes'] / c['read_bytes_per_s'], 's')} at this rate",
+                    fmt_num(c["read_bytes_per_s"], "B/s"),
+                    fmt_num(c["read_bytes_per_s"] * c["procs"], "B/s"),
+                )
+            ]
+            if "read_bytes_per_s" in c and "decode_weight_bytes" in c
+            else []
         ),
         _row(
             "memcpy (bytes copied)",

@@ -377,3 +377,19 @@ def test_ceilings_measure_every_shape_of_a_small_model(monkeypatch):
         (m, k, n) for m, k, n, _ in model_shapes(DIMS, 16)
     ]
     assert out["train"]["flops_per_s"] > 0 and out["decode"]["flops_per_s"] > 0 and out["memcpy_bytes_per_s"] > 0
+
+
+def test_decode_ceiling_streams_every_weight_and_keeps_the_fastest_kernel(monkeypatch):
+    from benchmarks import ceilings
+
+    monkeypatch.setattr(ceilings, "MIN_BLOCK_S", 0.001)
+    monkeypatch.setattr(ceilings, "BLOCKS", 2)
+    out = ceilings.measure(
+        DIMS, train_rows=16, decode_rows=2, tp=1, pp=1, dtype_name="float32", device_name="cpu", memcpy_mib=1
+    )
+    d = out["decode"]
+    assert d["weight_bytes"] == 4 * DIMS.matmul_params  # every layer's own weights, the LM head once
+    assert d["flops_per_s"] == max(d["by_kernel"].values()) and "linear" in d["by_kernel"]
+    assert out["decode_hot"]["flops_per_s"] > 0 and out["read_bytes_per_s"] > 0
+    c = combine([out, out], procs=2, threads=1)
+    assert c["decode_weight_bytes"] == d["weight_bytes"] and c["decode_flops_per_s_total"] == 2 * d["flops_per_s"]
