@@ -3,8 +3,12 @@
 The model's parameters stay addressable, so the weight-sync bridge overwrites them in place
 (`param_targets`). `generate()` of transformers is not used: its per-step bookkeeping (logits
 processors, stopping criteria, full-vocabulary logits of every prompt position) costs more than the
-model on small CPUs. The loop here runs prefill once with `logits_to_keep=1`, then one token per step,
-and drops finished rows from the batch (and its KV cache) as they stop.
+model on small CPUs. The loop here runs prefill once per distinct prompt with `logits_to_keep=1` (the
+KV cache copied to the prompt's n sample rows), then one token per step, and drops finished rows from
+the batch (and its KV cache) as they stop. Three costs of transformers' defaults are avoided (SmolLM2,
+16 rows x 64 tokens, one core: 211 -> 79 ms a step): the per-step `torch.cat` of the whole KV cache
+(`_reserved_cache`), the copy of K/V to every query head under a padding mask (`_sdpa_gqa_attention`),
+and F.linear's slow small-row matmuls on weights streamed from memory (`_packed_linears`).
 """
 
 from __future__ import annotations
