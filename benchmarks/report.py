@@ -399,6 +399,7 @@ def readme_section(results: dict, f: dict, results_dir: str) -> str:
             f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
             f"chart: [{name}.png]({results_dir}/{name}.png).",
             "",
+            *_load_note(results),
             *main_table(results, f),
             "",
             *trl_table(results, f),
@@ -406,6 +407,22 @@ def readme_section(results: dict, f: dict, results_dir: str) -> str:
             *targets_table(results, f),
         ]
     )
+
+
+def _load_note(results: dict) -> list[str]:
+    """The machine's load during the run and the parts taken from an earlier run: how far to trust the figures."""
+    m = results.get("machine", {})
+    start, end = m.get("load average (1, 5, 15 min) at start"), m.get("load average at end")
+    lines = []
+    if start or end:
+        lines.append(
+            f"Load average (1, 5, 15 min) at start {start}, at end {end}: on a shared machine other work "
+            "slows every figure, ceilings included; read the spreads."
+        )
+    if results.get("reused"):
+        r = results["reused"]
+        lines.append(f"Parts taken from an earlier run ({os.path.basename(r['from'])}): {', '.join(r['parts'])}.")
+    return [*lines, ""] if lines else []
 
 
 def write_json(results: dict, figures: dict, path: str) -> None:
