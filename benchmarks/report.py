@@ -161,9 +161,16 @@ def run_notes(results: dict) -> list[str]:
     """A line per part that failed (its figures are missing or partial), and parts reused from a run."""
     notes = [
         f"- {part}: {results[part]['error']}"
-        for part in ("trainer", "stages", "ceilings", "trl")
+        for part in ("stages", "ceilings")
         if isinstance(results.get(part), dict) and "error" in results[part]
     ]
+    settings = results.get("settings") or {"": {"trainer": results.get("trainer"), "trl": results.get("trl")}}
+    for name, st in settings.items():
+        notes += [
+            f"- {part}{f' ({name})' if name else ''}: {st[part]['error']}"
+            for part in ("trainer", "trl")
+            if isinstance(st.get(part), dict) and "error" in st[part]
+        ]
     out = ["", "Failures (figures from these parts are missing or partial):", *notes] if notes else []
     if results.get("reused"):
         r = results["reused"]
@@ -171,35 +178,77 @@ def run_notes(results: dict) -> list[str]:
     return out
 
 
-def trl_table(results: dict, f: dict) -> list[str]:
-    trl = results.get("trl", {})
+def _settings(results: dict, f: dict) -> list[tuple[str, dict, dict]]:
+    """(name, the setting's results view, its figures) for each setting run; the primary alone for old runs."""
+    from benchmarks.analysis import setting_results
+
+    if not results.get("settings"):
+        return [("", results, f)]
+    return [
+        (n, setting_results(results, n), f["settings"][n]) for n in results["settings"] if n in f.get("settings", {})
+    ]
+
+
+def what_each_side_did(results: dict) -> list[str]:
+    """One line: the work both sides ran, so a reader can check that like is compared with like."""
+    s = results["setup"]
+    trl = next(
+        (st["trl"] for st in (results.get("settings") or {"": results}).values() if "steps" in st.get("trl", {})),
+        results.get("trl", {}),
+    )
     if "steps" not in trl:
+        return []
+    return [
+        f"Both sides: {s['model_name']}, {s['dtype']}, {s['prompts']} prompts x {s['n']} samples, at most "
+        f"{s['max_new_tokens']} new tokens, temperature as configured, one optimizer step per batch, micro-batch "
+        f"{s.get('micro_batch_size', '?')} (TRL: per_device_train_batch_size {trl.get('micro_batch_size', '?')}), "
+        f"gradient checkpointing {'on' if s.get('gradient_checkpointing') else 'off'} (TRL: "
+        f"{'on' if trl.get('gradient_checkpointing') else 'off'}), {s['nproc'] * s['threads_per_rank']} CPU threads "
+        f"in all (rlstack: {s['nproc']} ranks x {s['threads_per_rank']}; TRL: one process x {trl.get('threads', '?')}). "
+        "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
+        "transformers' generate().",
+        "",
+    ]
+
+
+def trl_table(results: dict, f: dict) -> list[str]:
+    rows = [(n, r, g) for n, r, g in _settings(results, f) if "steps" in r.get("trl", {})]
+    if not rows:
+        trl = results.get("trl", {})
         reason = trl.get("skipped") or trl.get("error") or "not run"
         return [f"TRL comparison skipped: {reason}"]
-    mem = results.get("trainer", {}).get("memory", {})
-    name = f"TRL {trl.get('trl_version', '?')} GRPOTrainer"
+    name = f"TRL {rows[0][1]['trl'].get('trl_version', '?')} GRPOTrainer"
     lines = [
-        _row("same model, task, batch, lengths", "rlstack", name, "rlstack / TRL"),
-        _row(*["---"] * 4),
-        _row(
-            "step time",
-            fmt_stat(f.get("timing/step_s"), "s")[0],
-            fmt_stat(f.get("trl/step_s"), "s")[0],
-            _ratio(f.get("ratio/step_time")),
-        ),
-        _row(
-            "generated tokens / step time",
-            fmt_stat(f.get("step/gen_tok_s"), "tok/s")[0],
-            fmt_stat(f.get("trl/gen_tok_s"), "tok/s")[0],
-            _ratio(f.get("ratio/gen_tok_s")),
-        ),
-        _row(
-            "peak memory, all processes (RSS)",
-            fmt_gib(mem.get("sum_rss_gib")),
-            fmt_gib(f.get("trl/peak_rss_gib")),
-            _ratio(f.get("ratio/peak_memory")),
-        ),
+        *what_each_side_did(results),
+        _row("same model, task, batch, lengths", "setting", "rlstack", name, "rlstack / TRL"),
+        _row(*["---"] * 5),
     ]
+    for setting, r, g in rows:
+        label = (r.get("settings", {}).get(setting, {}).get("label") or "as configured") if setting else "as configured"
+        mem = r.get("trainer", {}).get("memory", {})
+        lines += [
+            _row(
+                "step time",
+                label,
+                fmt_stat(g.get("timing/step_s"), "s")[0],
+                fmt_stat(g.get("trl/step_s"), "s")[0],
+                _ratio(g.get("ratio/step_time")),
+            ),
+            _row(
+                "generated tokens / step time",
+                label,
+                fmt_stat(g.get("step/gen_tok_s"), "tok/s")[0],
+                fmt_stat(g.get("trl/gen_tok_s"), "tok/s")[0],
+                _ratio(g.get("ratio/gen_tok_s")),
+            ),
+            _row(
+                "peak memory, all processes (RSS)",
+                label,
+                fmt_gib(mem.get("sum_rss_gib")),
+                fmt_gib(g.get("trl/peak_rss_gib")),
+                _ratio(g.get("ratio/peak_memory")),
+            ),
+        ]
     return lines
 
 
@@ -207,12 +256,31 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def targets_table(f: dict) -> list[str]:
-    lines = [_row("target (project guide)", "measured", "bound", "met"), _row(*["---"] * 4)]
-    for t in f.get("targets", {}).values():
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
-        value = "-" if t["value"] is None else f"{t['value']:.3g}"
-        lines.append(_row(t["text"], value, f"{t['op']} {t['bound']}", met))
+def _target_cell(t: dict) -> tuple[str, str]:
+    met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
+    return ("-" if t["value"] is None else f"{t['value']:.3g}"), met
+
+
+def targets_table(results: dict, f: dict) -> list[str]:
+    """Issue 15's targets, measured in each setting (the same work for rlstack and TRL in each)."""
+    settings = _settings(results, f)
+    head = ["target (issue 15)", "bound"]
+    for name, _, _ in settings:
+        head += [f"measured{f' ({name})' if name else ''}", "met"]
+    lines = [_row(*head), _row(*["---"] * len(head))]
+    for key, t in f.get("targets", {}).items():
+        cells = [t["text"], f"{t['op']} {t['bound']}"]
+        for _, _, g in settings:
+            cells += list(_target_cell(g.get("targets", {}).get(key, t)))
+        lines.append(_row(*cells))
+    state = f.get("mem/state_gib_per_rank")
+    if state:
+        lines += [
+            "",
+            f"Training state per rank (params + grads + optimizer shard, from the model's "
+            f"{results['model'].get('params', 0) / 1e6:.1f} M parameters): {fmt_gib(state)}. "
+            "Sync bytes count only where the engine's layout is the actor's (rollout TP = TP, no PP).",
+        ]
     return lines
 
 
@@ -230,9 +298,36 @@ def ceilings_table(results: dict) -> list[str]:
             fmt_num(c["train_flops_per_s_total"], "FLOP/s"),
         ),
         _row(
-            "matmul at decode shapes",
+            f"decode pass over all weights, streamed (fastest kernel: {c.get('decode_kernel', 'F.linear')})",
             fmt_num(c["decode_flops_per_s"], "FLOP/s"),
             fmt_num(c["decode_flops_per_s_total"], "FLOP/s"),
+        ),
+        *[
+            _row(f"&nbsp;&nbsp;kernel {k}", fmt_num(v, "FLOP/s"), fmt_num(v * c["procs"], "FLOP/s"))
+            for k, v in c.get("decode_by_kernel", {}).items()
+        ],
+        *(
+            [
+                _row(
+                    "matmul at decode shapes, one weight hot in cache (F.linear; not a decode ceiling)",
+                    fmt_num(c["decode_hot_flops_per_s"], "FLOP/s"),
+                    fmt_num(c["decode_hot_flops_per_s_total"], "FLOP/s"),
+                )
+            ]
+            if "decode_hot_flops_per_s" in c
+            else []
+        ),
+        *(
+            [
+                _row(
+                    f"memory read (sum of a large tensor); decode weights {fmt_num(c['decode_weight_bytes'], 'B')} "
+                    f"a step: {fmt_num(c['decode_weight_bytes'] / c['read_bytes_per_s'], 's')} at this rate",
+                    fmt_num(c["read_bytes_per_s"], "B/s"),
+                    fmt_num(c["read_bytes_per_s"] * c["procs"], "B/s"),
+                )
+            ]
+            if "read_bytes_per_s" in c and "decode_weight_bytes" in c
+            else []
         ),
         _row(
             "memcpy (bytes copied)",
@@ -271,7 +366,7 @@ def render_markdown(results: dict, f: dict) -> str:
         "",
         "## Targets",
         "",
-        *targets_table(f),
+        *targets_table(results, f),
         "",
         "## Machine ceilings",
         "",
@@ -304,13 +399,30 @@ def readme_section(results: dict, f: dict, results_dir: str) -> str:
             f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
             f"chart: [{name}.png]({results_dir}/{name}.png).",
             "",
+            *_load_note(results),
             *main_table(results, f),
             "",
             *trl_table(results, f),
             "",
-            *targets_table(f),
+            *targets_table(results, f),
         ]
     )
+
+
+def _load_note(results: dict) -> list[str]:
+    """The machine's load during the run and the parts taken from an earlier run: how far to trust the figures."""
+    m = results.get("machine", {})
+    start, end = m.get("load average (1, 5, 15 min) at start"), m.get("load average at end")
+    lines = []
+    if start or end:
+        lines.append(
+            f"Load average (1, 5, 15 min) at start {start}, at end {end}: on a shared machine other work "
+            "slows every figure, ceilings included; read the spreads."
+        )
+    if results.get("reused"):
+        r = results["reused"]
+        lines.append(f"Parts taken from an earlier run ({os.path.basename(r['from'])}): {', '.join(r['parts'])}.")
+    return [*lines, ""] if lines else []
 
 
 def write_json(results: dict, figures: dict, path: str) -> None:

@@ -38,7 +38,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rerender", default="", help="re-render the table/chart of a results .json; runs nothing")
     p.add_argument("overrides", nargs="*", help="section.key=value, passed to the trainer and the stages")
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs present, else 2)")
-    p.add_argument("--steps", type=int, default=4, help="trainer steps; the first is warm-up")
+    p.add_argument("--steps", type=int, default=3, help="trainer steps; the first is warm-up")
+    p.add_argument(
+        "--settings",
+        default="no_ref,ref",
+        help="comma list, each run by rlstack and TRL alike: no_ref (no reference model: rlstack "
+        "use_kl_loss=false, TRL beta=0), ref (a reference model: use_kl_loss=true, TRL beta = kl_loss_coef), "
+        "config (the config as it is; the only one for configs TRL cannot run)",
+    )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each micro-benchmark")
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
@@ -65,8 +72,41 @@ def torchrun_cmd(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run_trainer(args, setup: dict, env: dict) -> dict:
-    out = os.path.join(args.work_dir, setup["config_name"], "trainer")
+def settings_of(args, cfg) -> dict:
+    """name -> what rlstack and TRL each run under it (overrides, TRL's beta, whether a reference is loaded)."""
+    a = cfg.algorithm
+    coef = a.kl_loss_coef
+    known = {
+        "no_ref": {
+            "label": "no reference model (rlstack use_kl_loss=false, TRL beta=0)",
+            "overrides": ["algorithm.use_kl_loss=false"],
+            "beta": 0.0,
+            "reference": a.use_kl_in_reward,
+        },
+        "ref": {
+            "label": f"reference model (rlstack use_kl_loss=true kl_loss_coef={coef:g}, TRL beta={coef:g})",
+            "overrides": ["algorithm.use_kl_loss=true", f"algorithm.kl_loss_coef={coef!r}"],
+            "beta": coef,
+            "reference": True,
+        },
+        "config": {
+            "label": "as configured",
+            "overrides": [],
+            "beta": coef if a.use_kl_loss else 0.0,
+            "reference": a.use_kl_loss or a.use_kl_in_reward,
+        },
+    }
+    names = [n for n in args.settings.split(",") if n]
+    if a.name != "grpo" or not cfg.data.synthetic:  # TRL runs GRPO on synthetic tasks only: nothing to pair
+        names = ["config"]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"benchmarks/run.py: --settings {args.settings!r}: use a comma list of {', '.join(known)}")
+    return {n: known[n] for n in names}
+
+
+def run_trainer(args, setup: dict, env: dict, name: str = "", overrides: tuple = ()) -> dict:
+    out = os.path.join(args.work_dir, setup["config_name"], "trainer" + (f"-{name}" if name else ""))
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start clean
     cmd = torchrun_cmd(setup["nproc"]) + [
         "-m",
@@ -82,6 +122,7 @@ def run_trainer(args, setup: dict, env: dict) -> dict:
         "checkpoint.save_every=0",
         "checkpoint.resume=never",
         *args.overrides,
+        *overrides,
     ]
     r = run_sampled(
         cmd,
@@ -184,7 +225,7 @@ def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
         return json.load(f)
 
 
-def run_trl(args, setup: dict, cfg) -> dict:
+def run_trl(args, setup: dict, cfg, name: str = "", beta: float = 0.0) -> dict:
     python, reason = environment.ensure_bench_venv(args.bench_venv)
     if python is None:
         print(f"TRL comparison skipped: {reason}", flush=True)
@@ -193,7 +234,7 @@ def run_trl(args, setup: dict, cfg) -> dict:
         reason = "the TRL comparison runs GRPO on a synthetic task: this config is not one"
         print(f"TRL comparison skipped: {reason}", flush=True)
         return {"skipped": reason}
-    out = os.path.join(args.work_dir, setup["config_name"], "trl")
+    out = os.path.join(args.work_dir, setup["config_name"], "trl" + (f"-{name}" if name else ""))
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     path = os.path.join(out, "trl.json")
@@ -222,7 +263,7 @@ def run_trl(args, setup: dict, cfg) -> dict:
         "--temperature",
         str(cfg.rollout.temperature),
         "--beta",
-        str(a.kl_loss_coef if a.use_kl_loss else 0.0),
+        str(beta),
         "--lr",
         str(a.actor_lr),
         "--steps",
@@ -236,7 +277,7 @@ def run_trl(args, setup: dict, cfg) -> dict:
         "--json",
         path,
     ]
-    if cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing:  # the same activation recompute on both sides (TRL defaults to on)
         cmd.append("--gradient-checkpointing")
     env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
     r = run_sampled(
@@ -302,22 +343,37 @@ def main(argv=None) -> int:
         "setup": setup,
         "model": environment.model_info(setup["hf_dir"]),
     }
-    parts = (
-        ("trainer", lambda: run_trainer(args, setup, env)),
-        ("stages", lambda: run_stages(args, setup, env)),
-        ("ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)),
-        ("trl", lambda: run_trl(args, setup, cfg)),
-    )
+    settings = settings_of(args, cfg)
+    first = next(iter(settings))
+    setup["reference"] = settings[first]["reference"]
+    results["primary_setting"] = first
     reused = _load_reuse(args.reuse, setup["config_name"])
-    for name, fn in parts:
-        if name in skip:
-            results[name] = reused.get(name) or {"skipped": "--skip " + name}
-            if name in reused:
+
+    def run_part(part: str, fn, name: str = "") -> dict:
+        if part in skip:
+            earlier = reused.get("settings", {}).get(name, {}).get(part) if name else None
+            if earlier is None and (not name or name == first):  # an earlier run without settings: its own
+                earlier = reused.get(part)
+            if earlier is not None:
                 results.setdefault("reused", {"from": args.reuse, "parts": []})
-                results["reused"]["parts"].append(name)
-            continue
-        print(f"== {name}", flush=True)
-        results[name] = fn()
+                results["reused"]["parts"].append(f"{part} ({name})" if name else part)
+                return earlier
+            return {"skipped": "--skip " + part}
+        print(f"== {part}" + (f" ({name})" if name else ""), flush=True)
+        return fn()
+
+    for i, (name, st) in enumerate(settings.items()):
+        st["trainer"] = run_part(
+            "trainer", lambda st=st, name=name: run_trainer(args, setup, env, name, st["overrides"]), name
+        )
+        if i == 0:  # the micro-benchmarks and ceilings do not depend on the KL setting: once
+            results["stages"] = run_part("stages", lambda: run_stages(args, setup, env))
+            results["ceilings"] = run_part(
+                "ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)
+            )
+        st["trl"] = run_part("trl", lambda st=st, name=name: run_trl(args, setup, cfg, name, st["beta"]), name)
+    results["trainer"], results["trl"] = settings[first]["trainer"], settings[first]["trl"]
+    results["settings"] = settings
     results["machine"] = environment.machine(load_at_start)
     results["versions"] = environment.versions(results)
     return publish(results, args.out_dir)
@@ -341,7 +397,10 @@ def publish(results: dict, out_dir: str) -> int:
             report.update_readme(os.path.join(ROOT, readme), report.readme_section(results, figures, rel))
     print(text, flush=True)
     print(f"wrote {stem}.md, .json, .png", flush=True)
-    failed = [k for k in ("trainer", "stages", "ceilings", "trl") if "error" in results.get(k, {})]
+    parts = [results.get(k, {}) for k in ("stages", "ceilings")]
+    for st in results.get("settings", {}).values():
+        parts += [st.get("trainer", {}), st.get("trl", {})]
+    failed = [p for p in parts if "error" in p] or [k for k in ("trainer", "trl") if "error" in results.get(k, {})]
     return 1 if failed else 0
 
 

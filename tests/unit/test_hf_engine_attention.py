@@ -1,0 +1,102 @@
+"""The hf engine's decode-loop pieces against transformers' own: the GQA attention and the reserved KV cache."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from rlstack.rollout import hf_engine
+
+
+def _models():
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=96,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,  # grouped-query attention: transformers copies K/V to 6 heads under a mask
+        head_dim=32,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    hf_engine._register_attention()
+    ours = LlamaForCausalLM._from_config(cfg, attn_implementation=hf_engine._ATTENTION).eval()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def _batch():
+    ids = torch.randint(3, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: the masked path, where transformers repeats K/V
+    mask[1, :1] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _decode(model, cache, steps=4):
+    """Prefill then `steps` greedy decode steps; the logits of each."""
+    ids, mask, pos = _batch()
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+        nxt = pos[:, -1] + 1
+        for _ in range(steps):
+            out.append(logits)
+            tok = logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = model(
+                input_ids=tok, attention_mask=mask, position_ids=nxt.unsqueeze(-1), past_key_values=cache
+            ).logits[:, -1]
+            nxt = nxt + 1
+    return torch.stack(out)
+
+
+def test_gqa_attention_and_reserved_cache_equal_transformers_bit_for_bit():
+    ref, ours = _models()
+    expected = _decode(ref, DynamicCache(config=ref.config))
+    got = _decode(ours, hf_engine._reserved_cache(ours.config, capacity=7 + 4))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_reserved_cache_grows_past_its_reserve_and_selects_rows():
+    ref, ours = _models()
+    expected = _decode(ref, DynamicCache(config=ref.config), steps=6)
+    got = _decode(ours, hf_engine._reserved_cache(ours.config, capacity=8))  # 7 + 6 > 8: grows
+    torch.testing.assert_close(got, expected[:4], rtol=0, atol=0)
+    cache = hf_engine._reserved_cache(ours.config, capacity=16)
+    k = torch.arange(3 * 2 * 5 * 32, dtype=torch.float32).view(3, 2, 5, 32)
+    cache.layers[0].update(k, -k)
+    cache.batch_select_indices(torch.tensor([2, 2, 0]))  # repeats: the prefill expansion to n samples
+    torch.testing.assert_close(cache.layers[0].keys, k[[2, 2, 0]])
+    torch.testing.assert_close(cache.layers[0].values, -k[[2, 2, 0]])
+    assert cache.get_seq_length() == 5
+
+
+def test_distinct_prompts_map_each_row_to_its_prompt():
+    rows = [(4, [1, 2]), (4, [1, 2]), (1, [3]), (4, [1, 2]), (1, [3])]
+    unique, row_of = hf_engine.HFEngine._distinct_prompts(rows)
+    assert unique == [[1, 2], [3]]
+    assert row_of.tolist() == [0, 0, 1, 0, 1]
+
+
+def test_packed_linears_follow_the_weights_and_undo_themselves():
+    _, model = _models()
+    ids, mask, pos = _batch()
+
+    def logits():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+    plain = logits()
+    with hf_engine._packed_linears(model, rows=3) as nbytes:
+        packed = logits()
+    assert nbytes == sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)  # another kernel: rounding only
+    torch.testing.assert_close(logits(), plain, rtol=0, atol=0)  # F.linear again after the block
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # a weight sync writes in place
+    changed = logits()
+    with hf_engine._packed_linears(model, rows=3):
+        torch.testing.assert_close(logits(), changed, rtol=1e-5, atol=1e-5)  # packed from the new weights
