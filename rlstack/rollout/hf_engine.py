@@ -129,7 +129,7 @@ def _can_pack(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
+def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
     """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
 
     A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
@@ -139,7 +139,7 @@ def _packed_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
     +1x the linear weights during rollout only. Values differ from F.linear by rounding (~3e-6
     relative). Yields the bytes packed (0 where packing does not apply: GPU, bf16, no oneDNN).
     """
-    if not _can_pack(model):
+    if not (enabled and _can_pack(model)):
         yield 0
         return
     patched, nbytes = [], 0
@@ -169,6 +169,7 @@ class _Counters:
     tokens: int = 0
     sequences: int = 0
     seconds: float = 0.0
+    packed_bytes: int = 0  # the largest oneDNN weight copy held during a generate() (rollout.pack_weights)
 
 
 class HFEngine(RolloutEngine):
@@ -220,7 +221,8 @@ class HFEngine(RolloutEngine):
         order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]))
         results: list[Optional[Generation]] = [None] * len(rows)
         mbs = max(1, self.cfg.micro_batch_size)
-        with _packed_linears(self.model, min(mbs, len(rows))):
+        with _packed_linears(self.model, min(mbs, len(rows)), getattr(self.cfg, "pack_weights", True)) as packed:
+            self._counters.packed_bytes = max(self._counters.packed_bytes, packed)
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
                 for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator)):
@@ -334,4 +336,5 @@ class HFEngine(RolloutEngine):
             "rollout/sequences": c.sequences,
             "rollout/seconds": c.seconds,
             "rollout/tokens_per_s": c.tokens / c.seconds if c.seconds > 0 else 0.0,
+            "rollout/packed_weight_bytes": c.packed_bytes,
         }

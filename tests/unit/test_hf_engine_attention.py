@@ -100,3 +100,10 @@ def test_packed_linears_follow_the_weights_and_undo_themselves():
     changed = logits()
     with hf_engine._packed_linears(model, rows=3):
         torch.testing.assert_close(logits(), changed, rtol=1e-5, atol=1e-5)  # packed from the new weights
+
+
+def test_pack_weights_false_holds_no_copy():
+    _, model = _models()
+    with hf_engine._packed_linears(model, rows=3, enabled=False) as nbytes:
+        assert nbytes == 0
+        assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
