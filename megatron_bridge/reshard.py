@@ -523,14 +523,7 @@ class WeightSync:
         import torch.distributed as dist
 
         sends = {r: self._pack(keys) for r, keys in b.sends.items()}
-        recvs = {
-            q: torch.empty(
-                sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in items),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for q, items in b.reads.items()
-        }
+        recvs = _receive_buffers(b.reads, self._numel, self.dtype, self.device)
         ops = [dist.P2POp(dist.isend, buf, r) for r, buf in sends.items()]
         ops += [dist.P2POp(dist.irecv, buf, q) for q, buf in recvs.items()]
         requests = dist.batch_isend_irecv(ops) if ops else []
@@ -690,6 +683,18 @@ def _open_outboxes(groups, members: list[int], slot_numel: dict, dtype: torch.dt
     return boxes, slot_numel
 
 
+def _receive_buffers(reads: dict, numel, dtype, device) -> dict:
+    """One packed receive buffer per source rank: the spans it sends, in order (p2p transports)."""
+    return {
+        q: torch.empty(
+            sum(numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in items),
+            dtype=dtype,
+            device=device,
+        )
+        for q, items in reads.items()
+    }
+
+
 # ---------------------------------------------------------------------- split placement transport
 #
 # With split placement (megatron_bridge.parallel.SplitPlacement) the engines live on rollout-only
@@ -833,14 +838,7 @@ class SplitWeightSync:
     def _receive(self, b: _SplitBucket, target: Callable[[int], torch.Tensor], stats: SyncStats) -> None:
         import torch.distributed as dist
 
-        recvs = {
-            q: torch.empty(
-                sum(self._numel((s.src, s.src_pp, s.axis, s.src_start, s.length)) for _, s, _ in items),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for q, items in b.reads.items()
-        }
+        recvs = _receive_buffers(b.reads, self._numel, self.dtype, self.device)
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(t.numel() * t.element_size() for t in recvs.values()))
         requests = [dist.irecv(buf, q, group=self.placement.full) for q, buf in recvs.items()]
         for i, s in b.zeros:

@@ -47,6 +47,17 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def metrics_by_step(out_dir: str, volatile: tuple[str, ...]) -> dict[int, dict]:
+    """metrics.jsonl as {step: metrics without the `volatile` prefixes}; a step logged twice fails."""
+    rows = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            assert row["step"] not in rows, f"step {row['step']} logged twice"
+            rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith(volatile)}
+    return rows
+
+
 def train_steps(metrics: list[dict]) -> list[dict]:
     """Rows of training steps (validation-only rows have no reward/mean)."""
     return [m for m in metrics if "reward/mean" in m]

@@ -10,13 +10,12 @@
    layout, so both sample the same responses).
 """
 
-import json
 import os
 import shutil
 
 import pytest
 
-from tests.e2e.runs import kill_during_step_4, torchrun_train
+from tests.e2e.runs import kill_during_step_4, metrics_by_step, torchrun_train
 
 STEPS = "trainer.total_steps=6"
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds")  # wall-clock and memory readings
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.slow
 def _train(out_dir: str, *overrides: str) -> str:
     proc = torchrun_train(out_dir, [STEPS, *overrides], timeout=300)
     return proc.stdout + proc.stderr
-
-
-def _metrics(out_dir: str) -> dict[int, dict]:
-    rows = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            assert row["step"] not in rows, f"step {row['step']} logged twice"
-            rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
-    return rows
 
 
 def _plant_broken_checkpoints(root: str) -> None:
@@ -57,7 +46,7 @@ def _plant_broken_checkpoints(root: str) -> None:
 def test_killed_run_resumes_exactly(tmp_path):
     reference = str(tmp_path / "reference")
     _train(reference, "checkpoint.save_every=0", "checkpoint.resume=never")
-    expected = _metrics(reference)
+    expected = metrics_by_step(reference, VOLATILE)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     run = str(tmp_path / "run")
@@ -71,7 +60,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert f"checkpoint {root}/step_00000004 has no completion marker COMPLETE.json" in output
     assert f"falls back to {root}/step_00000003" in output
     assert f"resumed from {root}/step_00000003 at step 3" in output
-    resumed = _metrics(run)
+    resumed = metrics_by_step(run, VOLATILE)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (1, 2, 3, 4, 5, 6):  # 1-3 were logged by the killed run, 4-6 after the resume
         assert resumed[step] == expected[step], f"step {step} differs from the uninterrupted run"
@@ -100,14 +89,14 @@ def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5) -> list[str
 def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
     reference = str(tmp_path / "tp1")
     _train(reference, "algorithm.name=ppo", "checkpoint.save_every=3", "checkpoint.keep_last=0")
-    expected = _metrics(reference)
+    expected = metrics_by_step(reference, VOLATILE)
     step3 = os.path.join(reference, "checkpoints", "step_00000003")
 
     run = str(tmp_path / "tp2")
     output = _train(run, "algorithm.name=ppo", "parallel.tp=2", "checkpoint.save_every=0", f"checkpoint.resume={step3}")
     assert f"resumed from {step3} at step 3" in output
     assert "resume at a new layout" in output  # RNG streams are per rank: not restored across layouts
-    resumed = _metrics(run)
+    resumed = metrics_by_step(run, VOLATILE)
     assert sorted(resumed) == [4, 5, 6]
     # If actor/grad_norm and then critic/loss diverge: TP-sharded weights built without
     # initialisation lack megatron's `tensor_model_parallel` attributes, so the grad norm (and the

@@ -8,12 +8,11 @@
    the resumed run logs exactly the uninterrupted run's metrics.
 """
 
-import json
 import os
 
 import pytest
 
-from tests.e2e.runs import kill_during_step_4, read_metrics, torchrun_train, train_steps
+from tests.e2e.runs import kill_during_step_4, metrics_by_step, read_metrics, torchrun_train, train_steps
 
 SPLIT = ["placement.rollout_ranks=1", "logging.progress=false"]
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "sync/peak")
@@ -48,26 +47,16 @@ def test_synchronous_split_is_on_current_weights(tmp_path):
         assert r["sync/bytes"] > 0
 
 
-def _metrics(out_dir: str) -> dict[int, dict]:
-    rows = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            assert row["step"] not in rows, f"step {row['step']} logged twice"
-            rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
-    return rows
-
-
 def test_killed_split_run_resumes_exactly(tmp_path):
     common = SPLIT + ["rollout.staleness=1", "algorithm.rollout_is=token", "trainer.total_steps=6"]
     reference = str(tmp_path / "reference")
     torchrun_train(reference, common + ["checkpoint.save_every=0", "checkpoint.resume=never"], timeout=240)
-    expected = _metrics(reference)
+    expected = metrics_by_step(reference, VOLATILE)
     run = str(tmp_path / "run")
     kill_during_step_4(run, common + ["checkpoint.save_every=1"])
     assert not os.path.exists(os.path.join(run, "checkpoints", "step_00000004")), "killed after step 4 was saved"
     torchrun_train(run, common + ["checkpoint.save_every=1", "checkpoint.resume=auto"], timeout=240)
-    resumed = _metrics(run)
+    resumed = metrics_by_step(run, VOLATILE)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == expected[step], f"step {step} differs from the uninterrupted run"
