@@ -290,11 +290,17 @@ class Trainer:
         metrics.update(timings)
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
+        metrics.update(self._engine_memory())
         metrics.update(self._reward_extra_metrics(over_dp=True))
         metrics.update(self._rm_metrics)
         self._check_finite(metrics)
         self.step += 1
         return metrics
+
+    def _engine_memory(self) -> dict:
+        """Weight bytes the engine held beyond its synced tensors while generating (hf: packed copies)."""
+        engine_metrics = self.engine.metrics() or {}  # counters since the last call: this step's rollout
+        return {k: v for k, v in engine_metrics.items() if k == "rollout/packed_weight_bytes"}
 
     def _split_train_step(self, dry_run: bool) -> dict:
         """Split placement (rlstack/placement.py): the batch comes from the rollout ranks.

@@ -21,6 +21,8 @@ def test_tiny_reward_rises_with_zero_copy(tmp_path):
     for r in rows:  # every tensor is a view of the actor's (TP1 x PP1, float32 on both sides)
         assert r["sync/bytes"] == 0 and r["sync/engine_weight_bytes"] == 0, r
         assert r["sync/aliased_bytes"] > 0, r
+        # rollout.pack_weights (default): oneDNN copies of the linear weights, held while generating only
+        assert 0 < r["rollout/packed_weight_bytes"] < r["sync/aliased_bytes"], r
     assert all(r["sync/verify_max_diff"] <= 1e-3 for r in rows if "sync/verify_max_diff" in r)
     assert sum("sync/verify_max_diff" in r for r in rows) == 4
     # the engine samples from the actor's current weights
