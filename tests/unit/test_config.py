@@ -136,3 +136,15 @@ def test_import_rlstack_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_host_mmap_threshold_is_set_and_range_checked():
+    import platform
+
+    from rlstack.loop import set_mmap_threshold
+
+    assert set_mmap_threshold(0) is False  # 0 leaves glibc's default alone
+    if platform.libc_ver()[0] == "glibc":
+        assert set_mmap_threshold(256) is True
+    with pytest.raises(ConfigError, match="host_mmap_threshold_kb"):
+        load_config(None, ["parallel.host_mmap_threshold_kb=65536"])
