@@ -40,7 +40,11 @@ class MemoryPeaks:
 
 def _tree_memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int]:
     rss = pss = 0
-    for p in [proc] + proc.children(recursive=True):
+    try:
+        tree = [proc] + proc.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0, 0  # the rank exited (the run is ending): it holds nothing now
+    for p in tree:
         try:
             if with_pss:
                 info = p.memory_full_info()
