@@ -117,6 +117,9 @@ class _ScriptedEngine:
             for j in range(params.n)
         ]
 
+    def metrics(self):  # RolloutEngine.metrics: counters since the last call (none kept here)
+        return {}
+
     def close(self):
         pass
 
