@@ -12,7 +12,7 @@ from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss, rollout_i
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
-from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
+from rlstack.workers.megatron_role import MegatronRole
 
 
 def token_logprobs(
@@ -51,9 +51,9 @@ def compute_logprobs(
             "logprob": token_logprobs(role, mb, logits, temperature=temperature)
         }
 
-    inputs = rollout.tensors("tokens", "position_ids")
-    stats = role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
-    out = cat_stats(stats, "logprob") if role.groups.is_last_stage else None
+    mbs = role.micro_batches(rollout.tensors("tokens", "position_ids"), micro_batch_size, rollout.needed_lengths())
+    stats = role.run(mbs.batches, loss_fn, forward_only=True)
+    out = mbs.rows(stats, "logprob") if role.groups.is_last_stage else None
     return role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
 
@@ -126,7 +126,7 @@ class Actor:
             stats["actor/loss"] = loss.detach()
             return loss * scale, stats
 
-        mbs = split_micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size)
+        mbs = self.role.micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size, mini.needed_lengths()).batches
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         moe = self.role.args.moe

@@ -8,7 +8,7 @@ from rlstack.algorithms import value_loss
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens
-from rlstack.workers.megatron_role import MegatronRole, cat_stats, split_micro_batches
+from rlstack.workers.megatron_role import MegatronRole
 
 
 def _values(output: torch.Tensor) -> torch.Tensor:
@@ -26,8 +26,9 @@ class Critic:
             return torch.zeros((), device=output.device), {"values": _values(output)}
 
         inputs = rollout.tensors("tokens", "position_ids")
-        stats = self.role.run(split_micro_batches(inputs, micro_batch_size), loss_fn, forward_only=True)
-        out = cat_stats(stats, "values") if self.role.groups.is_last_stage else None
+        mbs = self.role.micro_batches(inputs, micro_batch_size, rollout.needed_lengths())
+        stats = self.role.run(mbs.batches, loss_fn, forward_only=True)
+        out = mbs.rows(stats, "values") if self.role.groups.is_last_stage else None
         return self.role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
     def update(
@@ -47,9 +48,8 @@ class Critic:
                 "critic/tokens": ntok,
             }
 
-        mbs = split_micro_batches(
-            mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns"), micro_batch_size
-        )
+        fields = mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns")
+        mbs = self.role.micro_batches(fields, micro_batch_size, mini.needed_lengths()).batches
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         stats, grad_norm = self.role.train_step(mbs, loss_fn)

@@ -16,6 +16,7 @@ import torch
 
 from megatron_bridge.parallel import ParallelGroups
 from rlstack import collectives
+from rlstack.workers.batch import MicroBatches, pack_micro_batches
 
 
 @dataclass
@@ -174,6 +175,13 @@ class MegatronRole:
         stats = self.run(micro_batches, loss_fn, forward_only=False)
         _, grad_norm = step_unless_nonfinite(self.optimizer)
         return stats, grad_norm
+
+    def micro_batches(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, lengths: torch.Tensor
+    ) -> MicroBatches:
+        """`batch`'s micro-batches for this role: sorted by length and cut to their longest row
+        without pipeline parallelism, in order and uncut with it (one shape between stages)."""
+        return pack_micro_batches(batch, micro_batch_size, lengths if self.groups.dims.pp == 1 else None)
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
         """Last pipeline stage's tensor on every stage of this pipeline."""
