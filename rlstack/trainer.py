@@ -31,6 +31,7 @@ from rlstack import collectives, stages
 from rlstack.algorithms import build_kl_controller, compute_advantages, place_at_last_token
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
+from rlstack.observability.monitor import PhaseMemory
 from rlstack.rollout import sync_check
 from rlstack.workers.actor import Actor, compute_logprobs
 from rlstack.workers.batch import Rollout, gather_objects, pad_rows
@@ -201,6 +202,7 @@ class Trainer:
 
         critic_role = self.critic.role if self.critic is not None else None
         self.offload = Offloader.from_config(cfg, self.actor.role, critic_role, self.ref, self.engine)
+        self.phase_memory = PhaseMemory()  # mem/peak_gib/<phase>: this rank's peak in each phase of a step
 
     # ------------------------------------------------------------------ state
 
@@ -241,12 +243,13 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self, dry_run: bool = False) -> dict:
+        self.phase_memory.start()
         if self.split is not None:
             return self._split_train_step(dry_run)
         cfg, g = self.cfg, self.groups
         timings, t_step = {}, time.perf_counter()
         t0 = time.perf_counter()
-        self.offload.enter("sync")  # offload: actor weights in, engine weights awake
+        self._enter("sync")  # offload: actor weights in, engine weights awake
         sync_stats = self.weight_sync.sync()
         timings["timing/sync_s"] = time.perf_counter() - t0
         # rollout.verify_sync: stale engine weights stop the run
@@ -260,7 +263,7 @@ class Trainer:
             sync_check.probe_prompts(self.train_set),
         )
 
-        self.offload.enter("rollout")  # offload: after the sync, before generation
+        self._enter("rollout")  # offload: after the sync, before generation
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
         gens, gen_tokens = self.generate(global_prompts, greedy=False)
@@ -284,7 +287,7 @@ class Trainer:
         metrics = self._update(rollout, forward_only=dry_run)
         sync_check.check_rollout_diff(cfg.rollout, self.step, metrics)
         timings["timing/update_s"] = time.perf_counter() - t0
-        self.offload.enter("idle")  # offload: everything resident for checkpoints (vLLM stays asleep)
+        self._enter("idle")  # offload: everything resident for checkpoints (vLLM stays asleep)
         timings["timing/step_s"] = time.perf_counter() - t_step
 
         metrics.update(timings)
@@ -294,8 +297,14 @@ class Trainer:
         metrics.update(self._reward_extra_metrics(over_dp=True))
         metrics.update(self._rm_metrics)
         self._check_finite(metrics)
+        metrics.update(self.phase_memory.metrics())
         self.step += 1
         return metrics
+
+    def _enter(self, phase: str) -> None:
+        """A phase of the step begins: offload moves states for it, the meter starts its peak."""
+        self.offload.enter(phase)
+        self.phase_memory.enter(phase)
 
     def _engine_memory(self) -> dict:
         """Weight bytes the engine held beyond its synced tensors while generating (hf: packed copies)."""
@@ -368,6 +377,7 @@ class Trainer:
         metrics.update(self._reward_extra_metrics(over_dp=True))
         metrics.update(self._rm_metrics)
         self._check_finite(metrics)
+        metrics.update(self.phase_memory.metrics())
         self.step += 1
         return metrics
 
@@ -448,7 +458,7 @@ class Trainer:
         mbs = a.micro_batch_size
         metrics = {}
         # (split placement streams these per rollout micro-batch: already filled then)
-        self.offload.enter("scoring")  # offload: weights in; grads and optimizer stay out
+        self._enter("scoring")  # offload: weights in; grads and optimizer stay out
         if not rollout.on_policy:
             if rollout.old_logprob is None:
                 rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, self.cfg.rollout.temperature)
@@ -459,7 +469,7 @@ class Trainer:
         if self.critic is not None and rollout.old_values is None:
             rollout.old_values = self.critic.compute_values(rollout, mbs)
         metrics.update(self._advantages(rollout))
-        self.offload.enter("update")  # offload: grads and optimizer state back
+        self._enter("update")  # offload: grads and optimizer state back
         minis = rollout.mini_batches(a.mini_batch_size, g.dims.dp, mbs)
         actor_stats, critic_stats, grad_norms, critic_norms = [], [], [], []
         train_actor = self.step >= a.critic_warmup_steps
@@ -639,7 +649,7 @@ class Trainer:
             return {}
         from rlstack.data.dataset import val_accuracy
 
-        self.offload.enter("rollout")  # offload: the engine generates; "idle" again below for checkpoints
+        self._enter("rollout")  # offload: the engine generates; "idle" again below for checkpoints
 
         prompts = [self.val_set[i] for i in range(len(self.val_set))]
         gens, size = [], self.cfg.data.val_batch_size  # prompts generated at once (bounds engine memory)
@@ -651,7 +661,7 @@ class Trainer:
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self._reward_extra_metrics(over_dp=False).items()})
         metrics.update({"val/" + k: v for k, v in self._rm_metrics.items()})
-        self.offload.enter("idle")  # offload
+        self._enter("idle")  # offload
         return metrics
 
     def _rewards(self, prompts: list, gens: list, over_dp: bool = True) -> list[float]:

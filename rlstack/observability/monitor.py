@@ -22,6 +22,90 @@ FIX_HOST = "lower rollout.micro_batch_size or algorithm.micro_batch_size, or set
 FIX_GPU = "lower rollout.gpu_memory_utilization or the micro batch sizes"
 
 
+# The high-water marks (bytes) before their last reset by `PhaseMemory`: the kernel's RSS mark
+# (folded into peak_rss_gib) and torch's CUDA peak, so lifetime peaks survive the per-phase resets.
+_PEAK_BEFORE_RESET = 0
+_GPU_PEAK_BEFORE_RESET = 0
+
+
+def gpu_peak_bytes(device: int) -> int:
+    """Peak CUDA bytes allocated by torch over the process's life (across PhaseMemory's resets)."""
+    import torch
+
+    return max(torch.cuda.max_memory_allocated(device), _GPU_PEAK_BEFORE_RESET)
+
+
+def _host_peak_bytes() -> int:
+    """VmHWM of this process (bytes): the RSS high-water mark since start or the last reset."""
+    with open("/proc/self/status") as f:
+        return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def _reset_host_peak() -> bool:
+    """Restart the kernel's RSS high-water mark at the current RSS (Linux clear_refs 5); False where unsupported."""
+    global _PEAK_BEFORE_RESET
+    try:
+        peak = _host_peak_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, StopIteration):
+        return False
+    _PEAK_BEFORE_RESET = max(_PEAK_BEFORE_RESET, peak)
+    return True
+
+
+class PhaseMemory:
+    """Peak memory of each phase of a step on this rank (`mem/peak_gib/<phase>`).
+
+    CUDA: torch's peak allocated bytes, reset at each phase; host: the kernel's RSS high-water
+    mark (VmHWM), reset at each phase through /proc/self/clear_refs (where that is not writable
+    the host figures are left out). A phase entered twice in a step reports the larger peak.
+    """
+
+    def __init__(self):
+        self._phase: Optional[str] = None
+        self._peaks: dict[str, float] = {}
+        self._cuda = _cuda_available()
+        self._host = sys.platform.startswith("linux") and _reset_host_peak()
+
+    def start(self) -> None:
+        """A new step: earlier phases (validation, checkpoints) are not part of it."""
+        self._phase, self._peaks = None, {}
+
+    def enter(self, phase: str) -> None:
+        self._close()
+        self._phase = phase
+        if self._cuda:
+            import torch
+
+            global _GPU_PEAK_BEFORE_RESET
+            _GPU_PEAK_BEFORE_RESET = gpu_peak_bytes(torch.cuda.current_device())
+            torch.cuda.reset_peak_memory_stats()
+        if self._host:
+            _reset_host_peak()
+
+    def metrics(self) -> dict[str, float]:
+        """This step's phase peaks (GiB); the open phase is closed."""
+        self._close()
+        self._phase = None
+        return dict(self._peaks)
+
+    def _close(self) -> None:
+        if self._phase is None:
+            return
+        figures = {}
+        if self._host:
+            figures["mem/peak_gib/" + self._phase] = _host_peak_bytes() / GIB
+        if self._cuda:
+            import torch
+
+            figures["mem/gpu_peak_gib/" + self._phase] = (
+                torch.cuda.max_memory_allocated(torch.cuda.current_device()) / GIB
+            )
+        for key, value in figures.items():
+            self._peaks[key] = max(value, self._peaks.get(key, 0.0))
+
+
 def peak_rss_gib(include_children: bool = False) -> float:
     """This process's peak RSS in GiB: the kernel's high-water mark, so peaks between samples count.
 
@@ -31,11 +115,11 @@ def peak_rss_gib(include_children: bool = False) -> float:
     """
     import resource
 
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if include_children:
-        maxrss += resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return maxrss * scale / GIB
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, _PEAK_BEFORE_RESET)
+    if include_children:
+        peak += resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
+    return peak / GIB
 
 
 def memory_limit_bytes() -> int:
@@ -167,7 +251,7 @@ class ResourceMonitor:
         )
         return {
             "mem/gpu_alloc_gib": allocated / GIB,
-            "mem/gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "mem/gpu_peak_gib": gpu_peak_bytes(device) / GIB,
             "mem/gpu_reserved_gib": reserved / GIB,
             "mem/gpu_used_frac": used_frac,
         }

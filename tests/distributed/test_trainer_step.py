@@ -78,7 +78,7 @@ def _ppo_step(out_dir, cache):
     m = trainer.train_step()
     a_delta = (_flat(trainer.actor.role) - actor0).abs().max().item()
     c_delta = (_flat(trainer.critic.role) - critic0).abs().max().item()
-    return a_delta, c_delta, {k: m[k] for k in ("actor/loss", "actor/pg_loss", "actor/kl")}, cfg.algorithm.kl_loss_coef
+    return a_delta, c_delta, {k: v for k, v in m.items() if k.startswith(("actor/", "mem/"))}, cfg.algorithm.kl_loss_coef
 
 
 def test_ppo_step_moves_both_roles_and_loss_has_its_kl_term(tmp_path, tiny_cache):
@@ -88,6 +88,10 @@ def test_ppo_step_moves_both_roles_and_loss_has_its_kl_term(tmp_path, tiny_cache
     assert m["actor/kl"] > 1e-4
     # Machine-independent: the logged loss is the policy loss plus the weighted KL loss.
     assert m["actor/loss"] == pytest.approx(m["actor/pg_loss"] + coef * m["actor/kl"], rel=1e-5, abs=1e-9)
+    # Each phase of the step reports this rank's peak memory (the update holds activations).
+    phases = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("mem/peak_gib/")}
+    assert set(phases) == {"sync", "rollout", "scoring", "update", "idle"}
+    assert all(v > 0.1 for v in phases.values()) and phases["update"] > phases["idle"]
 
 
 # ----------------------------------------------------------------------------- injected parts, fake engine

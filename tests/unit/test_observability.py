@@ -567,3 +567,22 @@ def test_monitor_gpu_path_with_a_stubbed_cuda(monkeypatch, caplog):
         "reserved 40.0 GiB), past logging.memory_warn_fraction=0.85: "
         "lower rollout.gpu_memory_utilization or the micro batch sizes"
     ]
+
+
+def test_phase_memory_reports_each_phases_own_peak():
+    import torch
+
+    from rlstack.observability.monitor import PhaseMemory, peak_rss_gib
+
+    meter = PhaseMemory()
+    meter.start()
+    meter.enter("update")
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big
+    meter.enter("idle")  # the 64 MiB went back to the OS (large blocks are mmapped): not in this phase
+    out = meter.metrics()
+    assert set(out) == {"mem/peak_gib/update", "mem/peak_gib/idle"}
+    assert out["mem/peak_gib/update"] - out["mem/peak_gib/idle"] > 50 / 1024
+    assert peak_rss_gib() >= out["mem/peak_gib/update"] - 1e-6  # the lifetime peak survives the resets
+    meter.start()
+    assert meter.metrics() == {}  # a new step starts empty
