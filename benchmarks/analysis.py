@@ -14,6 +14,9 @@ from typing import Optional
 from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
 
 STAGE_KEYS = ("timing/sync_s", "timing/rollout_s", "timing/score_s", "timing/update_s")
+# Rank 0's peak memory in each phase of a step (the trainer's PhaseMemory), host and GPU.
+PHASES = ("sync", "rollout", "scoring", "update")
+PHASE_MEMORY_KEYS = tuple(f"mem/{kind}/{phase}" for kind in ("peak_gib", "gpu_peak_gib") for phase in PHASES)
 TRAINER_KEYS = (
     "timing/step_s",
     *STAGE_KEYS,
@@ -28,6 +31,7 @@ TRAINER_KEYS = (
     "response/length_mean",
     "mem/rss_peak_gib",
     "mem/gpu_peak_gib",
+    *PHASE_MEMORY_KEYS,
     "reward/mean",
 )
 # Targets of issue 15 (by `make bench`, same work, one run): reported next to the measurement, never asserted.

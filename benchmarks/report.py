@@ -140,6 +140,8 @@ def _s(values: list[float]) -> Optional[dict]:
 
 
 def _memory_rows(results: dict, f: dict) -> list[str]:
+    from benchmarks.analysis import PHASES
+
     mem = results.get("trainer", {}).get("memory", {})
     per_rank = ", ".join(fmt_gib(x) for x in mem.get("per_rank_rss_gib", []))
     rows = [
@@ -154,6 +156,11 @@ def _memory_rows(results: dict, f: dict) -> list[str]:
     ]
     if f.get("mem/gpu_peak_gib"):
         rows.append(_row("peak GPU memory allocated (rank 0)", *fmt_stat(f["mem/gpu_peak_gib"], "GiB"), "", ""))
+    for kind, what in (("peak_gib", "RSS"), ("gpu_peak_gib", "GPU allocated")):
+        for phase in PHASES:
+            if f.get(f"mem/{kind}/{phase}"):
+                label = f"&nbsp;&nbsp;rank 0 peak in {phase} ({what})"
+                rows.append(_row(label, *fmt_stat(f[f"mem/{kind}/{phase}"], "GiB"), "", ""))
     return rows
 
 
