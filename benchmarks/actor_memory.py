@@ -73,29 +73,25 @@ def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float,
 def _batch(seqs: int, seq_len: int, vocab: int):
     import torch
 
+    from rlstack.workers.batch import Rollout
+
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (seqs, seq_len), generator=gen)
     mask = torch.zeros(seqs, seq_len)
     mask[:, seq_len // 2 :] = 1.0
     lp = -torch.rand(seqs, seq_len, generator=gen) * mask
-    fields = dict(
+    return Rollout(
         tokens=tokens,
         position_ids=torch.arange(seq_len).expand(seqs, -1).contiguous(),
         resp_mask=mask,
-        advantages=torch.randn(seqs, seq_len, generator=gen) * mask,
+        scores=torch.zeros(seqs),
+        group_ids=torch.zeros(seqs, dtype=torch.long),
         rollout_logprob=lp,
+        num_sequences=seqs,
+        num_tokens=seqs * seq_len,
+        on_policy=True,
+        advantages=torch.randn(seqs, seq_len, generator=gen) * mask,
     )
-    return _rollout(fields)
-
-
-def _rollout(fields):
-    import types
-
-    # Actor.update reads .on_policy, .old_logprob and .tensors(*names) of a mini-batch.
-    def tensors(*names):
-        return {n: fields[n] for n in names if n in fields}
-
-    return types.SimpleNamespace(on_policy=True, old_logprob=None, tensors=tensors, resp_mask=fields["resp_mask"])
 
 
 def main() -> None:
