@@ -78,7 +78,12 @@ def _ppo_step(out_dir, cache):
     m = trainer.train_step()
     a_delta = (_flat(trainer.actor.role) - actor0).abs().max().item()
     c_delta = (_flat(trainer.critic.role) - critic0).abs().max().item()
-    return a_delta, c_delta, {k: v for k, v in m.items() if k.startswith(("actor/", "mem/"))}, cfg.algorithm.kl_loss_coef
+    return (
+        a_delta,
+        c_delta,
+        {k: v for k, v in m.items() if k.startswith(("actor/", "mem/"))},
+        cfg.algorithm.kl_loss_coef,
+    )
 
 
 def test_ppo_step_moves_both_roles_and_loss_has_its_kl_term(tmp_path, tiny_cache):

@@ -25,7 +25,7 @@ def _mean(rows, key):
 )
 def test_tiny_reward_rises(tmp_path, algo, overrides):
     out = str(tmp_path / algo)
-    torchrun_train(out, ["trainer.total_steps=40", *overrides])
+    torchrun_train(out, ["trainer.total_steps=40", "rollout.verify_sync=10", *overrides])
     rows = train_steps(read_metrics(out))
     assert [r["step"] for r in rows] == list(range(1, 41))
     first, last = _mean(rows[:5], "reward/mean"), _mean(rows[-10:], "reward/mean")
@@ -36,14 +36,35 @@ def test_tiny_reward_rises(tmp_path, algo, overrides):
         assert_loss_terms(rows, kl_loss_coef=0.001)
     # the rollout engine samples from the actor's current weights (in-place sync works)
     assert max(r["actor/rollout_diff_max"] for r in rows) < 1e-4
+    assert_zero_copy(rows)
+
+
+def assert_zero_copy(rows):
+    """rollout.zero_copy (default) at TP1 x PP1, float32 on both sides: every engine tensor is a view
+    of the actor's, so the sync moves nothing and the engine holds no second copy."""
+    for r in rows:
+        assert r["sync/bytes"] == 0 and r["sync/engine_weight_bytes"] == 0, r
+        assert r["sync/aliased_bytes"] > 0, r
+        # rollout.pack_weights (default): oneDNN copies of the linear weights, held while generating only
+        assert 0 < r["rollout/packed_weight_bytes"] < r["sync/aliased_bytes"], r
+    # rollout.verify_sync=10: the engine's log-probs on a probe batch equal the actor's at steps 1, 11, 21, 31
+    assert all(r["sync/verify_max_diff"] <= 1e-3 for r in rows if "sync/verify_max_diff" in r)
+    assert sum("sync/verify_max_diff" in r for r in rows) == 4
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """3 steps at the tiny config's layout (TP1 x PP1 x DP2): what the other layouts are compared with."""
+    base = str(tmp_path_factory.mktemp("dp2"))
+    torchrun_train(base, ["trainer.total_steps=3"])
+    return train_steps(read_metrics(base))
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]])
-def test_layouts_match_dp2(tmp_path, layout):
-    base, other = str(tmp_path / "dp2"), str(tmp_path / "other")
-    torchrun_train(base, ["trainer.total_steps=3"])
+def test_layouts_match_dp2(tmp_path, dp2_run, layout):
+    other = str(tmp_path / "other")
     torchrun_train(other, ["trainer.total_steps=3", *layout])
-    for a, b in zip(train_steps(read_metrics(base)), train_steps(read_metrics(other))):
+    for a, b in zip(dp2_run, train_steps(read_metrics(other))):
         assert a["reward/mean"] == b["reward/mean"]  # same samples: rollout does not depend on the layout
         for key in NUMERIC_KEYS:
             if key in a:
