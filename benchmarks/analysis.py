@@ -287,6 +287,12 @@ def setting_results(results: dict, name: str) -> dict:
     """The run as if only setting `name` had been run: its trainer and TRL parts, its reference flag."""
     st = results["settings"][name]
     setup = {**results["setup"], "reference": st.get("reference", results["setup"].get("reference", True))}
+    nproc = st.get("nproc")
+    if nproc and nproc != setup["nproc"]:  # the same machine's threads over fewer ranks (data parallel only)
+        threads = setup["nproc"] * setup["threads_per_rank"] // nproc
+        dp = nproc // (setup.get("tp", 1) * setup.get("pp", 1))
+        layout = f"tp{setup.get('tp', 1)} pp{setup.get('pp', 1)} dp{dp}"
+        setup.update(nproc=nproc, threads_per_rank=threads, dp=dp, layout=layout)
     return {**results, "setup": setup, "trainer": st.get("trainer", {}), "trl": st.get("trl", {})}
 
 

@@ -205,13 +205,20 @@ def what_each_side_did(results: dict) -> list[str]:
     )
     if "steps" not in trl:
         return []
+    threads = s["nproc"] * s["threads_per_rank"]
+    layouts = "".join(
+        f"; {name}: {st['nproc']} x {threads // st['nproc']}"
+        for name, st in (results.get("settings") or {}).items()
+        if st.get("nproc") and st["nproc"] != s["nproc"]
+    )
     return [
         f"Both sides: {s['model_name']}, {s['dtype']}, {s['prompts']} prompts x {s['n']} samples, at most "
         f"{s['max_new_tokens']} new tokens, temperature as configured, one optimizer step per batch, micro-batch "
         f"{s.get('micro_batch_size', '?')} (TRL: per_device_train_batch_size {trl.get('micro_batch_size', '?')}), "
         f"gradient checkpointing {'on' if s.get('gradient_checkpointing') else 'off'} (TRL: "
         f"{'on' if trl.get('gradient_checkpointing') else 'off'}), {s['nproc'] * s['threads_per_rank']} CPU threads "
-        f"in all (rlstack: {s['nproc']} ranks x {s['threads_per_rank']}; TRL: one process x {trl.get('threads', '?')}). "
+        f"in all (rlstack: {s['nproc']} ranks x {s['threads_per_rank']}{layouts}; TRL: one process x "
+        f"{trl.get('threads', '?')}). "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
         "transformers' generate().",
         "",

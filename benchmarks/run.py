@@ -41,10 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="trainer steps; the first is warm-up")
     p.add_argument(
         "--settings",
-        default="no_ref,ref",
+        default="no_ref,ref,one_process",
         help="comma list, each run by rlstack and TRL alike: no_ref (no reference model: rlstack "
         "use_kl_loss=false, TRL beta=0), ref (a reference model: use_kl_loss=true, TRL beta = kl_loss_coef), "
-        "config (the config as it is; the only one for configs TRL cannot run)",
+        "one_process (no_ref with rlstack as one process using every thread, TRL's layout; TRL's no_ref "
+        "run is its pair), config (the config as it is; the only one for configs TRL cannot run)",
     )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each micro-benchmark")
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
@@ -89,6 +90,14 @@ def settings_of(args, cfg) -> dict:
             "beta": coef,
             "reference": True,
         },
+        "one_process": {
+            "label": "no reference model, rlstack as 1 process x all threads (TRL's process layout)",
+            "overrides": ["algorithm.use_kl_loss=false"],
+            "beta": 0.0,
+            "reference": a.use_kl_in_reward,
+            "nproc": 1,
+            "trl_from": "no_ref",  # the same work on TRL's side: its no_ref run (run it here if absent)
+        },
         "config": {
             "label": "as configured",
             "overrides": [],
@@ -105,10 +114,15 @@ def settings_of(args, cfg) -> dict:
     return {n: known[n] for n in names}
 
 
-def run_trainer(args, setup: dict, env: dict, name: str = "", overrides: tuple = ()) -> dict:
+def run_trainer(args, setup: dict, env: dict, name: str = "", overrides: tuple = (), nproc: int = 0) -> dict:
+    """The trainer on `nproc` ranks (default: the setup's), the machine's threads split evenly over them."""
     out = os.path.join(args.work_dir, setup["config_name"], "trainer" + (f"-{name}" if name else ""))
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start clean
-    cmd = torchrun_cmd(setup["nproc"]) + [
+    if nproc and nproc != setup["nproc"]:
+        threads = setup["nproc"] * setup["threads_per_rank"] // nproc
+        env = {**env, "OMP_NUM_THREADS": str(threads)}
+        overrides = (*overrides, f"parallel.threads_per_rank={threads}")
+    cmd = torchrun_cmd(nproc or setup["nproc"]) + [
         "-m",
         "rlstack.train",
         "--config",
@@ -364,13 +378,19 @@ def main(argv=None) -> int:
 
     for i, (name, st) in enumerate(settings.items()):
         st["trainer"] = run_part(
-            "trainer", lambda st=st, name=name: run_trainer(args, setup, env, name, st["overrides"]), name
+            "trainer",
+            lambda st=st, name=name: run_trainer(args, setup, env, name, st["overrides"], st.get("nproc", 0)),
+            name,
         )
         if i == 0:  # the micro-benchmarks and ceilings do not depend on the KL setting: once
             results["stages"] = run_part("stages", lambda: run_stages(args, setup, env))
             results["ceilings"] = run_part(
                 "ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)
             )
+        pair = settings.get(st.get("trl_from", ""), {}).get("trl")
+        if pair is not None:  # the same work on TRL's side was run under another setting's name
+            st["trl"] = pair
+            continue
         st["trl"] = run_part("trl", lambda st=st, name=name: run_trl(args, setup, cfg, name, st["beta"]), name)
     results["trainer"], results["trl"] = settings[first]["trainer"], settings[first]["trl"]
     results["settings"] = settings

@@ -393,3 +393,32 @@ def test_decode_ceiling_streams_every_weight_and_keeps_the_fastest_kernel(monkey
     assert out["decode_hot"]["flops_per_s"] > 0 and out["read_bytes_per_s"] > 0
     c = combine([out, out], procs=2, threads=1)
     assert c["decode_weight_bytes"] == d["weight_bytes"] and c["decode_flops_per_s_total"] == 2 * d["flops_per_s"]
+
+
+def test_one_process_setting_has_its_own_layout_and_state():
+    """rlstack as one process with every thread (TRL's layout): DP1, so each rank holds all of Adam."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.run import settings_of
+
+    cfg = NS(
+        algorithm=NS(name="grpo", kl_loss_coef=0.002, use_kl_loss=False, use_kl_in_reward=False),
+        data=NS(synthetic="arith"),
+    )
+    st = settings_of(NS(settings="no_ref,one_process"), cfg)
+    assert st["one_process"]["nproc"] == 1 and st["one_process"]["trl_from"] == "no_ref"
+    assert st["one_process"]["overrides"] == st["no_ref"]["overrides"]
+    results = _two_settings()
+    results["model"]["params"] = 2**28
+    results["setup"].update(tp=1, pp=1, dp=2, distributed_optimizer=True)
+    one = copy.deepcopy(results["settings"]["no_ref"])
+    one.update(label="one process", nproc=1)
+    one["trainer"]["memory"] = {"per_rank_rss_gib": [5.0], "sum_rss_gib": 5.0}
+    results["settings"]["one_process"] = one
+    view = analysis.setting_results(results, "one_process")
+    assert (view["setup"]["nproc"], view["setup"]["dp"], view["setup"]["threads_per_rank"]) == (1, 1, 2)
+    f = analysis.derive(results)
+    assert f["settings"]["one_process"]["mem/state_gib_per_rank"] == pytest.approx(4.0)  # 4 + 4 + 8 bytes
+    assert f["settings"]["no_ref"]["mem/state_gib_per_rank"] == pytest.approx(3.0)  # Adam over DP2
+    text = report.render_markdown(results, f)
+    assert "(rlstack: 2 ranks x 1; one_process: 1 x 2; TRL:" in text
