@@ -60,11 +60,11 @@ def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float,
     actor = actor_mod.Actor(role, AlgorithmConfig(use_kl_loss=False), temperature=temperature)
     mini = _batch(seqs, seq_len, role.args.vocab_size)
     counts = {"global_num_tokens": float(mini.resp_mask.sum()), "global_num_seqs": float(seqs)}
-    actor.update(mini, counts, micro, float(seqs // micro))
+    actor.update(mini, counts, micro)
     row["after_step"] = _rss() / MIB
     _reset_peak()
     base = _rss()
-    actor.update(mini, counts, micro, float(seqs // micro))
+    actor.update(mini, counts, micro)
     row["update_peak"] = _peak() / MIB
     row["update_extra"] = (_peak() - base) / MIB
     out.put(row)

@@ -120,6 +120,10 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # sequences per optimizer step; 0: the whole batch (one step)
     micro_batch_size: int = 8  # sequences per forward/backward
+    # Dynamic micro-batches (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu): rows sorted by
+    # length fill each micro-batch up to this many token slots (rows x its longest row), in every
+    # forward and backward of the actor, critic and reference; 0: micro_batch_size rows each.
+    max_tokens_per_micro_batch: int = 0
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
     weight_decay: float = 0.0
@@ -541,6 +545,7 @@ _RANGES = (
     ("placement.rollout_ranks", lambda v: v >= 0, ">= 0 (0: colocated)"),
     ("rollout.staleness", lambda v: v in (0, 1), "0 (synchronous) or 1 (one step off-policy)"),
     ("algorithm.rollout_is_cap", lambda v: v > 0, "> 0 (the truncation of the IS weight)"),
+    ("algorithm.max_tokens_per_micro_batch", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
 )
 
 
@@ -555,10 +560,29 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         value = get_dotted(cfg, key)
         if not ok(value):
             raise ConfigError(f"'{key}' is {value}: it must be {what}")
+    _check_token_budget(cfg)
     if cfg.rollout.free_cache_during_update and cfg.rollout.engine != "vllm":
         raise ConfigError(
             "'rollout.free_cache_during_update' needs rollout.engine=vllm: the hf engine frees its cache "
             "after every generate; set it to false"
+        )
+
+
+def _check_token_budget(cfg: ExperimentConfig) -> None:
+    """algorithm.max_tokens_per_micro_batch: room for the longest possible row, no pipeline stages."""
+    budget = cfg.algorithm.max_tokens_per_micro_batch
+    if not budget:
+        return
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if budget < longest:
+        raise ConfigError(
+            f"'algorithm.max_tokens_per_micro_batch' is {budget}: one sequence can hold data.max_prompt_length + "
+            f"rollout.max_new_tokens = {longest} tokens; set it to at least {longest} (or 0: micro_batch_size rows)"
+        )
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            "'algorithm.max_tokens_per_micro_batch' needs parallel.pp=1 (pipeline stages exchange one "
+            "micro-batch shape): set it to 0 and use algorithm.micro_batch_size"
         )
 
 

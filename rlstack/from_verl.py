@@ -389,6 +389,7 @@ def _batches_and_paths(merged: dict, given: dict, t: Translation, src: Callable[
     handled: set[str] = set()
     n = int(merged[ROLLOUT + "n"])
     _batch_sizes(merged, given, t, src, n)
+    handled |= _dynamic_batch(merged, given, t, src)
     handled |= {
         ACTOR + "ppo_mini_batch_size",
         ACTOR + "ppo_micro_batch_size_per_gpu",
@@ -486,6 +487,39 @@ def _shared(merged, given, t, src, actor_key, critic_key, target) -> None:
                 f"rlstack uses one {target} for actor and critic: took the actor's",
             )
         )
+
+
+# verl's dynamic batch sizes: a flag and a token budget per pass; rlstack has one budget for all.
+DYNAMIC_FLAGS = (ACTOR + "use_dynamic_bsz", "critic.use_dynamic_bsz", ROLLOUT + "log_prob_use_dynamic_bsz")
+DYNAMIC_BUDGETS = (
+    ACTOR + "ppo_max_token_len_per_gpu",
+    "critic.ppo_max_token_len_per_gpu",
+    ROLLOUT + "log_prob_max_token_len_per_gpu",
+    REF + "log_prob_max_token_len_per_gpu",
+)
+VERL_MAX_TOKEN_LEN = 16384  # verl 0.9.1's default ppo_max_token_len_per_gpu
+
+
+def _dynamic_batch(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """actor.use_dynamic_bsz + ppo_max_token_len_per_gpu -> algorithm.max_tokens_per_micro_batch."""
+    flag = ACTOR + "use_dynamic_bsz"
+    if str(given.get(flag, "false")).lower() == "true":
+        key = ACTOR + "ppo_max_token_len_per_gpu"
+        budget = int(given.get(key, VERL_MAX_TOKEN_LEN))
+        where = src(key) if key in given else f"verl's default {key}={VERL_MAX_TOKEN_LEN}"
+        t.set("algorithm.max_tokens_per_micro_batch", budget, f"{where} ({flag}=true)")
+        chosen = budget
+    else:
+        chosen = 0
+    for key in DYNAMIC_BUDGETS[1:] + DYNAMIC_FLAGS[1:]:
+        if key in given and chosen and str(given[key]).lower() not in (str(chosen), "true"):
+            t.ignored.append(
+                (
+                    f"{key}={_flow(given[key])}",
+                    f"rlstack uses one token budget for every pass (took the actor's {chosen})",
+                )
+            )
+    return set(DYNAMIC_FLAGS) | set(DYNAMIC_BUDGETS)
 
 
 def _batch_sizes(merged, given, t, src, n: int) -> None:

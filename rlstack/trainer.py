@@ -180,6 +180,9 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
             ),
             a,
         )
+    for role in (actor.role, ref, critic.role if critic else None):
+        if role is not None:
+            role.max_tokens_per_micro_batch = a.max_tokens_per_micro_batch
     return actor, ref, critic
 
 
@@ -476,15 +479,15 @@ class Trainer:
         actor_s = critic_s = 0.0
         for _ in range(a.ppo_epochs):
             for mini in minis:
-                counts, scale = self._counts(mini)
+                counts = self._counts(mini)
                 t0 = time.perf_counter()
                 if self.critic is not None:
-                    out = self.critic.update(mini, counts, mbs, scale, forward_only=forward_only)
+                    out = self.critic.update(mini, counts, mbs, forward_only=forward_only)
                     critic_stats += out["stats"]
                     critic_norms.append(out["grad_norm"])
                 t1 = time.perf_counter()
                 if train_actor:
-                    out = self.actor.update(mini, counts, mbs, scale, forward_only=forward_only)
+                    out = self.actor.update(mini, counts, mbs, forward_only=forward_only)
                     actor_stats += out["stats"]
                     grad_norms.append(out["grad_norm"])
                 actor_s += time.perf_counter() - t1
@@ -618,16 +621,13 @@ class Trainer:
         rollout.returns = pad_rows(returns.detach(), rollout.rows)
         return metrics
 
-    def _counts(self, mini: Rollout) -> tuple[dict, float]:
+    def _counts(self, mini: Rollout) -> dict:
+        """The mini-batch's token and sequence counts over all DP ranks (the losses' global normalisers)."""
         g, mask = self.groups, mini.resp_mask
         tokens, seqs = collectives.sum_floats([float(mask.sum()), float((mask.sum(-1) > 0).sum())], g.dp, g.device)
-        num_micro = mini.rows // self.cfg.algorithm.micro_batch_size
         # loss_scale_factor: the constant length of seq-mean-token-sum-norm (Dr.GRPO); other modes ignore it.
         scale_factor = float(self.cfg.algorithm.loss_scale_factor or self.cfg.rollout.max_new_tokens)
-        return (
-            {"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor},
-            float(num_micro * g.dims.dp),
-        )
+        return {"global_num_tokens": tokens, "global_num_seqs": seqs, "loss_scale_factor": scale_factor}
 
     def _rollout_metrics(self, scores: list, gens: list, gen_tokens: float, timings: dict) -> dict:
         g = self.groups

@@ -143,7 +143,7 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
         param_bytes=param_bytes,
         mixed_precision=param_bytes == 2,
         seq_len=seq_len,
-        train_mb=m.Tokens(min(a.micro_batch_size, local_seqs), seq_len),
+        train_mb=m.Tokens(_train_rows(a, local_seqs, seq_len), seq_len),
         in_flight=min(num_micro, dims.pp),
         rollout_seqs=max(1, at_once),
         max_model_len=r.max_model_len or min(max_position_embeddings, seq_len),
@@ -152,6 +152,14 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
         has_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
     )
+
+
+def _train_rows(a, local_seqs: int, seq_len: int) -> int:
+    """Rows of the largest training micro-batch at the longest length: micro_batch_size, or with a
+    token budget (algorithm.max_tokens_per_micro_batch) enough full-length rows to cover it (its
+    token count bounds the activations whatever the rows' lengths)."""
+    rows = math.ceil(a.max_tokens_per_micro_batch / seq_len) if a.max_tokens_per_micro_batch else a.micro_batch_size
+    return max(1, min(rows, local_seqs))
 
 
 def _most_loaded_stage(cfg, dims, shape, setting, device, budget):

@@ -67,15 +67,12 @@ class Actor:
         self.algo = algo
         self.temperature = temperature
 
-    def update(
-        self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float, forward_only: bool = False
-    ) -> dict:
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> dict:
         """One optimizer step on a mini-batch (or, with forward_only, the same maths with no step).
 
-        `counts` are the mini-batch's global token/sequence counts (all DP ranks), `scale` is
-        num_microbatches x dp_size: megatron divides each micro-batch loss by the number of
-        micro-batches and DDP averages over DP; the scale undoes both so the gradient is that of
-        the globally normalised loss, independent of the parallel layout.
+        `counts` are the mini-batch's global token/sequence counts (all DP ranks); each micro-batch
+        loss is scaled by `MegatronRole.loss_scale` so the gradient is that of the globally
+        normalised loss, independent of the parallel layout and of how rows form micro-batches.
         """
         a = self.algo
         # On-policy (one epoch, one mini-batch) the update's own forward gives the old log-probs:
@@ -127,6 +124,7 @@ class Actor:
             return loss * scale, stats
 
         mbs = self.role.micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size, mini.needed_lengths()).batches
+        scale = self.role.loss_scale(len(mbs))
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         moe = self.role.args.moe

@@ -180,32 +180,53 @@ class MicroBatches:
 
 
 def pack_micro_batches(
-    batch: dict[str, torch.Tensor], micro_batch_size: int, lengths: Optional[torch.Tensor]
+    batch: dict[str, torch.Tensor], micro_batch_size: int, lengths: Optional[torch.Tensor], max_tokens: int = 0
 ) -> MicroBatches:
-    """[B, S] tensors -> micro-batches of `micro_batch_size` rows, longest rows first, each cut to its longest.
+    """[B, S] tensors -> micro-batches, longest rows first, each cut to its longest row.
 
     Rows are sorted by `lengths` (the prefix each row needs, `Rollout.needed_lengths`) so rows of
     similar length share a micro-batch: padding to the batch's longest row was ~25-35% of the
-    trained tokens of a GRPO step (short and long answers to the same prompt). Gradients are summed
-    over a mini-batch's micro-batches, so their composition changes nothing but float summation
-    order. `lengths=None` keeps rows in order and uncut (pipeline parallelism sends one
+    trained tokens of a GRPO step (short and long answers to the same prompt). A micro-batch holds
+    `micro_batch_size` rows, or with `max_tokens` > 0 as many rows as fit in `max_tokens` token
+    slots (rows x its longest row; rows that need nothing are left out, but one micro-batch always
+    runs: every rank joins the gradient all-reduce). Gradients are summed over a mini-batch's
+    micro-batches, so their composition changes nothing but float summation order.
+    `lengths=None` keeps rows in order and uncut (pipeline parallelism sends one
     [micro_batch, S] shape between stages for every micro-batch).
     """
-    size, seq_len = next(iter(batch.values())).shape[:2]
-    assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
+    first = next(iter(batch.values()))
+    size, seq_len = first.shape[:2]
     if lengths is None:
-        order = torch.arange(size)
-        cuts = [seq_len] * (size // micro_batch_size)
+        assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
+        groups = [torch.arange(i, i + micro_batch_size) for i in range(0, size, micro_batch_size)]
+        cuts = [seq_len] * len(groups)
     else:
         lengths = lengths.cpu()
         order = torch.sort(lengths, descending=True, stable=True).indices  # [B]
-        cuts = [max(1, int(lengths[order[i]])) for i in range(0, size, micro_batch_size)]
-    batches = []
-    for n, cut in enumerate(cuts):
-        rows = order[n * micro_batch_size : (n + 1) * micro_batch_size]
-        index = rows.to(next(iter(batch.values())).device)
-        batches.append({k: v[:, :cut].index_select(0, index) for k, v in batch.items()})
-    return MicroBatches(batches=batches, order=order, seq_len=seq_len)
+        groups = _token_budget_groups(order, lengths, max_tokens) if max_tokens > 0 else None
+        if groups is None:
+            assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
+            groups = list(order.split(micro_batch_size))
+        cuts = [max(1, int(lengths[rows[0]])) for rows in groups]
+    batches = [
+        {k: v[:, :cut].index_select(0, rows.to(first.device)) for k, v in batch.items()}
+        for rows, cut in zip(groups, cuts)
+    ]
+    return MicroBatches(batches=batches, order=torch.cat(groups), seq_len=seq_len)
+
+
+def _token_budget_groups(order: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Rows in `order` (longest first) -> groups of at most `max_tokens` slots (rows x the first row's length)."""
+    rows = [int(r) for r in order if lengths[r] > 0] or [int(order[0])]
+    groups, current = [], []
+    for r in rows:
+        longest = max(1, int(lengths[current[0]])) if current else max(1, int(lengths[r]))
+        if current and (len(current) + 1) * longest > max_tokens:
+            groups.append(torch.tensor(current))
+            current = []
+        current.append(r)
+    groups.append(torch.tensor(current))
+    return groups
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

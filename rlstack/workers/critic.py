@@ -31,9 +31,7 @@ class Critic:
         out = mbs.rows(stats, "values") if self.role.groups.is_last_stage else None
         return self.role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
-    def update(
-        self, mini: Rollout, counts: dict, micro_batch_size: int, scale: float, forward_only: bool = False
-    ) -> dict:
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> dict:
         a = self.algo
 
         def loss_fn(mb, output):
@@ -50,6 +48,7 @@ class Critic:
 
         fields = mini.tensors("tokens", "position_ids", "resp_mask", "old_values", "returns")
         mbs = self.role.micro_batches(fields, micro_batch_size, mini.needed_lengths()).batches
+        scale = self.role.loss_scale(len(mbs))
         if forward_only:
             return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
         stats, grad_norm = self.role.train_step(mbs, loss_fn)

@@ -124,6 +124,7 @@ class MegatronRole:
             hf_dir, groups, dtype=dtype, value_head=value_head, recompute=recompute, value_head_seed=value_head_seed
         )
         self.config = model.config
+        self.max_tokens_per_micro_batch = 0  # algorithm.max_tokens_per_micro_batch (0: micro_batch_size rows)
         self.optimizer = None
         self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step
         if optim is None:
@@ -180,8 +181,17 @@ class MegatronRole:
         self, batch: dict[str, torch.Tensor], micro_batch_size: int, lengths: torch.Tensor
     ) -> MicroBatches:
         """`batch`'s micro-batches for this role: sorted by length and cut to their longest row
-        without pipeline parallelism, in order and uncut with it (one shape between stages)."""
-        return pack_micro_batches(batch, micro_batch_size, lengths if self.groups.dims.pp == 1 else None)
+        without pipeline parallelism (of `micro_batch_size` rows, or filled up to
+        `max_tokens_per_micro_batch` token slots), in order and uncut with it (one shape between stages)."""
+        if self.groups.dims.pp > 1:
+            return pack_micro_batches(batch, micro_batch_size, None)
+        return pack_micro_batches(batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch)
+
+    def loss_scale(self, num_micro_batches: int) -> float:
+        """What each micro-batch's loss is multiplied by so that the gradient is that of the globally
+        normalised loss: megatron divides every micro-batch loss by their number (this rank's, which
+        differs between DP ranks with token-budget micro-batches) and DDP averages over DP."""
+        return float(num_micro_batches * self.groups.dims.dp)
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
         """Last pipeline stage's tensor on every stage of this pipeline."""

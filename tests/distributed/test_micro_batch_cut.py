@@ -1,6 +1,7 @@
-"""Cutting micro-batches to their own longest row changes no result: the actor's log-probs, the
-critic's values and one training step equal the uncut ones (rows in order, padded to the batch's
-longest), on one gloo rank with the tiny Llama."""
+"""Cutting micro-batches to their own longest row, or filling them up to a token budget
+(algorithm.max_tokens_per_micro_batch), changes no result: the actor's log-probs, the critic's values
+and one training step equal the uncut ones (rows in order, padded to the batch's longest), on one
+gloo rank with the tiny Llama."""
 
 import torch
 
@@ -22,7 +23,7 @@ def _rollout(vocab: int):
     return rollout
 
 
-def _run(hf_dir: str, groups, cut: bool):
+def _run(hf_dir: str, groups, cut: bool, max_tokens: int = 0):
     from rlstack.config import AlgorithmConfig
     from rlstack.workers.actor import Actor, compute_logprobs
     from rlstack.workers.batch import pack_micro_batches
@@ -34,6 +35,7 @@ def _run(hf_dir: str, groups, cut: bool):
     critic_role = MegatronRole(hf_dir, groups, torch.float32, value_head=True, optim=sgd)
     shapes = []
     for role in (actor_role, critic_role):
+        role.max_tokens_per_micro_batch = max_tokens
         if not cut:  # the layout before: rows in order, every micro-batch padded to the batch's longest
             role.micro_batches = lambda batch, size, lengths: pack_micro_batches(batch, size, None)
         real = role.micro_batches
@@ -49,8 +51,8 @@ def _run(hf_dir: str, groups, cut: bool):
     logprob = compute_logprobs(actor_role, rollout, 2)[mask]
     values = Critic(critic_role, AlgorithmConfig()).compute_values(rollout, 2)[mask]
     counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 8.0}
-    out = Actor(actor_role, AlgorithmConfig(use_kl_loss=False)).update(rollout, counts, 2, 4.0)
-    Critic(critic_role, AlgorithmConfig()).update(rollout, counts, 2, 4.0)
+    out = Actor(actor_role, AlgorithmConfig(use_kl_loss=False)).update(rollout, counts, 2)
+    Critic(critic_role, AlgorithmConfig()).update(rollout, counts, 2)
     weights = {
         name: torch.cat([p.detach().flatten() for p in role.module.parameters()])
         for name, role in (("actor", actor_role), ("critic", critic_role))
@@ -63,11 +65,11 @@ def _both(hf_dir: str):
     from megatron_bridge.parallel import init_distributed
 
     groups = init_distributed(1, 1)
-    return _run(hf_dir, groups, cut=True), _run(hf_dir, groups, cut=False)
+    return _run(hf_dir, groups, cut=True), _run(hf_dir, groups, cut=False), _run(hf_dir, groups, True, 40)
 
 
 def test_cut_micro_batches_equal_uncut(tiny_llama):
-    cut, uncut = run_distributed(_both, 1, tiny_llama)[0]
+    cut, uncut, budget = run_distributed(_both, 1, tiny_llama)[0]
     # The cut layout really is smaller: 8 rows of at most 16 tokens in micro-batches of 2.
     assert all(shape == (2, 16) for shapes in uncut["shapes"] for shape in shapes)
     assert sum(r * s for r, s in cut["shapes"][0]) < sum(r * s for r, s in uncut["shapes"][0])
@@ -76,3 +78,11 @@ def test_cut_micro_batches_equal_uncut(tiny_llama):
     assert abs(cut["loss"] - uncut["loss"]) < 1e-5
     for name in ("actor", "critic"):
         torch.testing.assert_close(cut["weights"][name], uncut["weights"][name], atol=1e-6, rtol=0)
+    # A 40-slot budget: rows of 16, 15, 11, 11, 9, 7, 5, 4 tokens -> 2 x 16, 3 x 11, 3 x 7 (a count
+    # of micro-batches of its own: the loss scale follows it).
+    assert budget["shapes"][0] == [(2, 16), (3, 11), (3, 7)]
+    torch.testing.assert_close(budget["logprob"], uncut["logprob"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(budget["values"], uncut["values"], atol=1e-5, rtol=0)
+    assert abs(budget["loss"] - uncut["loss"]) < 1e-5
+    for name in ("actor", "critic"):
+        torch.testing.assert_close(budget["weights"][name], uncut["weights"][name], atol=1e-6, rtol=0)

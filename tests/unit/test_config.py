@@ -148,3 +148,16 @@ def test_host_mmap_threshold_is_set_and_range_checked():
         assert set_mmap_threshold(256) is True
     with pytest.raises(ConfigError, match="host_mmap_threshold_kb"):
         load_config(None, ["parallel.host_mmap_threshold_kb=65536"])
+
+
+def test_token_budget_needs_room_for_the_longest_row_and_no_pipeline():
+    base = "yaml_configs/tiny_cpu.yaml"
+    cfg = load_config(base, ["algorithm.max_tokens_per_micro_batch=4096"])
+    assert cfg.algorithm.max_tokens_per_micro_batch == 4096
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    with pytest.raises(ConfigError, match=f"set it to at least {longest}"):
+        load_config(base, [f"algorithm.max_tokens_per_micro_batch={longest - 1}"])
+    with pytest.raises(ConfigError, match="needs parallel.pp=1"):
+        load_config(base, ["algorithm.max_tokens_per_micro_batch=4096", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        load_config(base, ["algorithm.max_tokens_per_micro_batch=-1"])

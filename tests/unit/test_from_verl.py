@@ -152,7 +152,6 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
             "--strict",
             "algorithm.adv_estimator=remax",
             "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-            "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "trainer.logger=[console,swanlab]",
             "data.truncation=left",
             "trainer.total_training_steps=2",
@@ -163,7 +162,6 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
     err = capsys.readouterr().err
     for item in (
         "algorithm.adv_estimator=remax",
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "trainer.logger=swanlab",
         "data.truncation=left",
     ):
@@ -172,6 +170,27 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true: FSDP setting" in text
     assert "UNSUPPORTED actor_rollout_ref.actor.fsdp_config" not in err
     yaml.safe_load(text)  # still a valid YAML file
+
+
+def test_dynamic_batch_size_becomes_a_token_budget():
+    t = from_verl.translate(
+        {
+            "actor_rollout_ref.actor.use_dynamic_bsz": True,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 8192,
+        }
+    )
+    assert t.values["algorithm.max_tokens_per_micro_batch"] == 4096
+    assert "use_dynamic_bsz=true" in t.sources["algorithm.max_tokens_per_micro_batch"]
+    assert any(
+        item.startswith("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192") for item, _ in t.ignored
+    )
+    assert not any("dynamic_bsz" in item or "max_token_len" in item for item, _ in t.unsupported)
+    default = from_verl.translate({"actor_rollout_ref.actor.use_dynamic_bsz": True})
+    assert default.values["algorithm.max_tokens_per_micro_batch"] == 16384  # verl's default budget
+    off = from_verl.translate({"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096})
+    assert "algorithm.max_tokens_per_micro_batch" not in off.values  # the budget without the flag is unused
 
 
 def test_total_epochs_without_readable_files_is_unsupported():

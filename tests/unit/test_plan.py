@@ -215,3 +215,14 @@ def test_a_vllm_share_far_above_the_kv_need_is_reported():
     plan = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
     assert plan.kv.available_bytes > 3 * plan.kv.need_bytes  # the "~3x its KV need"
     assert any("rollout.gpu_memory_utilization=0.13" in note for note in plan.notes)
+
+
+def test_token_budget_sizes_the_training_micro_batch():
+    from megatron_bridge.parallel import ParallelDims
+    from rlstack.config import load_config
+    from rlstack.planner.build import derive_setting
+
+    cfg = load_config("yaml_configs/smollm2_arith_cpu.yaml", ["algorithm.max_tokens_per_micro_batch=1024"])
+    dims = ParallelDims.resolve(1, 1, -1, 2)
+    setting = derive_setting(cfg, dims, 8192, fused_attention=False)
+    assert setting.train_mb.batch == 4 and setting.train_mb.seq_len == 256  # 1024 tokens of 256-token rows
