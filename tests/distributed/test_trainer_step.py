@@ -48,6 +48,11 @@ def _batch_sizes(out_dir, cache):
         ("not a multiple", ["data.train_batch_size=6", "algorithm.micro_batch_size=32"]),  # 48 rows a rank
         ("exactly one micro-batch", ["data.train_batch_size=4", "algorithm.micro_batch_size=32"]),
         ("ppo, fewer rows than one micro-batch", ["data.train_batch_size=2", "algorithm.name=ppo"]),
+        # token-budget micro-batches: each DP rank runs its own number of them
+        (
+            "ppo, token budget",
+            ["data.train_batch_size=6", "algorithm.name=ppo", "algorithm.max_tokens_per_micro_batch=64"],
+        ),
     ]
     out = {}
     for name, overrides in cases:
@@ -62,7 +67,7 @@ def _batch_sizes(out_dir, cache):
 def test_any_batch_size_trains(tmp_path, tiny_cache):
     results = run_distributed(_batch_sizes, 2, str(tmp_path), tiny_cache, timeout=300)
     assert results[0] == results[1]  # every rank reports the same step metrics
-    assert len(results[0]) == 5
+    assert len(results[0]) == 6
 
 
 def _ppo_step(out_dir, cache):
