@@ -130,9 +130,16 @@ def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     # MoE: SequentialMLP of local experts (mlp.experts.local_experts.{i}.linear_fc1/fc2), router mlp.router
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
+    # The local spec's DotProductAttention materialises [b, heads, s, s] scores and an fp32 softmax per
+    # layer (kept for backward); SDPA keeps neither (sdpa_attention.py). It is also the GPU path when
+    # Transformer Engine is missing: flash / memory-efficient attention there.
+    from megatron_bridge.sdpa_attention import SDPADotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def _have_transformer_engine() -> bool:

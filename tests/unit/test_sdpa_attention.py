@@ -1,0 +1,147 @@
+"""SDPA core attention (megatron_bridge/sdpa_attention.py) against megatron's unfused DotProductAttention.
+
+One process, no torch.distributed: both modules get a stand-in TP group whose size() is what the
+test asks for (only `size()` is read at construction), and megatron's global memory buffer, which
+DotProductAttention's baddbmm writes into.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_bridge import cpu_compat
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _megatron_globals():
+    """DotProductAttention forks the model-parallel RNG state around its (p=0) dropout and writes its
+    scores into megatron's global memory buffer; both are set up by initialize_model_parallel and
+    model_parallel_cuda_manual_seed in a real run. Removed again afterwards."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME as NAME
+
+    cpu_compat.apply()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    added_rng = NAME not in tracker.get_states()
+    if added_rng:
+        tracker.add(NAME, 1234)
+    added_buffer = parallel_state._GLOBAL_MEMORY_BUFFER is None
+    if added_buffer:
+        parallel_state._set_global_memory_buffer()
+    yield
+    if added_rng:
+        tracker.states_.pop(NAME)
+        tracker.seeds_.discard(1234)
+    if added_buffer:
+        parallel_state._GLOBAL_MEMORY_BUFFER = None
+
+
+def _config(dtype: torch.dtype, heads: int = 9, groups: int = 3, head_dim: int = 64, dropout: float = 0.0):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=dropout,
+        hidden_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        masked_softmax_fusion=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+    )
+
+
+def _modules(config, tp: int):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_bridge.sdpa_attention import SDPADotProductAttention
+
+    pg = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: tp))
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(**args, pg_collection=pg), SDPADotProductAttention(**args, pg_collection=pg)
+
+
+def _qkv(s: int, b: int, heads: int, groups: int, head_dim: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(s, b, heads, head_dim), (s, b, groups, head_dim), (s, b, groups, head_dim)]
+    return [torch.randn(*sh, generator=gen).to(DEVICE, dtype).requires_grad_() for sh in shapes]
+
+
+def _run(module, q, k, v, grad_out):
+    # Fresh leaves per module: the same values, separate gradients.
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, None)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize(
+    "dtype, tp, atol, rtol_of_max",
+    [
+        (torch.float32, 1, 1e-5, 0.0),  # measured max error 1.9e-6 (AVX-512)
+        # TP3: this rank's 3 query heads over its 1 K/V group
+        (torch.float32, 3, 1e-5, 0.0),
+        # megatron rounds the softmax to bf16 before P @ V, the flash kernel keeps it in fp32: measured
+        # at most one bf16 ulp of the largest entry (0.0625 at 9.2, 0.7%)
+        (torch.bfloat16, 1, 0.0, 1.5e-2),
+    ],
+)
+def test_sdpa_equals_dot_product_attention(dtype, tp, atol, rtol_of_max):
+    s, b, heads, groups, head_dim = 37, 3, 9, 3, 64
+    ref, sdpa = _modules(_config(dtype, heads, groups, head_dim), tp)
+    q, k, v = _qkv(s, b, heads // tp, groups // tp, head_dim, dtype)
+    grad_out = torch.randn(s, b, heads // tp * head_dim, generator=torch.Generator().manual_seed(1))
+    grad_out = grad_out.to(DEVICE, dtype)
+    expected = _run(ref, q, k, v, grad_out)
+    got = _run(sdpa, q, k, v, grad_out)
+    assert got[0].shape == (s, b, heads // tp * head_dim)
+    for name, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
+        assert g.dtype == e.dtype == dtype, name
+        err = (g.float() - e.float()).abs().max().item()
+        bound = atol + rtol_of_max * e.float().abs().max().item()
+        assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def test_causal_mask_matters():
+    """A future token changes nothing before it (the test above would also catch a dropped is_causal)."""
+    _, sdpa = _modules(_config(torch.float32), 1)
+    q, k, v = (t.detach() for t in _qkv(12, 2, 9, 3, 64, torch.float32))
+    k2, v2 = k.clone(), v.clone()
+    k2[-1] += 1.0
+    v2[-1] -= 1.0
+    a, b = sdpa(q, k, v, None), sdpa(q, k2, v2, None)
+    assert torch.equal(a[:-1], b[:-1])
+    assert not torch.equal(a[-1], b[-1])
+
+
+def test_refuses_what_rlstack_never_passes():
+    _, sdpa = _modules(_config(torch.float32), 1)
+    q, k, v = (t.detach() for t in _qkv(5, 1, 9, 3, 64, torch.float32))
+    with pytest.raises(AssertionError, match="causal mask"):
+        sdpa(q, k, v, torch.zeros(1, 1, 5, 5, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(AssertionError, match="packed"):
+        sdpa(q, k, v, None, packed_seq_params=object())
+    with pytest.raises(AssertionError, match="bias"):
+        sdpa(q, k, v, None, attention_bias=torch.zeros(1))
+    with pytest.raises(AssertionError, match="dropout"):
+        _modules(_config(torch.float32, dropout=0.1), 1)
+
+
+def test_layer_spec_uses_sdpa_for_dense_and_moe():
+    from megatron_bridge.models import _have_transformer_engine, layer_spec
+    from megatron_bridge.sdpa_attention import SDPADotProductAttention
+
+    if torch.cuda.is_available() and _have_transformer_engine():
+        pytest.skip("the TE spec has its own fused attention")
+    for spec in (layer_spec(), layer_spec(qk_layernorm=True), layer_spec(num_experts=4)):
+        assert spec.submodules.self_attention.submodules.core_attention is SDPADotProductAttention
