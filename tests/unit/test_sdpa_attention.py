@@ -145,3 +145,35 @@ def test_layer_spec_uses_sdpa_for_dense_and_moe():
         pytest.skip("the TE spec has its own fused attention")
     for spec in (layer_spec(), layer_spec(qk_layernorm=True), layer_spec(num_experts=4)):
         assert spec.submodules.self_attention.submodules.core_attention is SDPADotProductAttention
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_fused_swiglu_equals_eager_glu(dtype, atol):
+    """transformer_config() turns on bias_activation_fusion: megatron's MLP then calls bias_swiglu_impl
+    (bias None: add_bias_linear=False), compiled by megatron's jit_fuser (torch.compile) on first use."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    from megatron_bridge.hf_config import ModelArgs
+    from megatron_bridge.models import transformer_config
+
+    args = ModelArgs("llama", 64, 96, 1, 3, 1, 48, 32, 1e-5, 1e4, 64, True, False)
+    config = transformer_config(args, tp=1, pp=1, dtype=dtype)
+    assert config.bias_activation_fusion and config.gated_linear_unit and not config.add_bias_linear
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 3, 2 * 48, generator=gen).to(DEVICE, dtype)  # [s, b, 2f]: fc1's [gate; up]
+    grad = torch.randn(7, 3, 48, generator=gen).to(DEVICE, dtype)
+    outs = []
+    for fused in (True, False):
+        xi = x.clone().requires_grad_()
+        if fused:
+            y = bias_swiglu_impl(xi, None)
+        else:
+            gate, up = torch.chunk(xi, 2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        y.backward(grad)
+        outs.append((y.detach().float(), xi.grad.float()))
+    (y_f, g_f), (y_e, g_e) = outs
+    assert y_f.shape == (7, 3, 48)
+    # bf16: the compiled kernel rounds once at the end, eager rounds silu and the product: 1-2 ulps
+    assert (y_f - y_e).abs().max().item() <= atol
+    assert (g_f - g_e).abs().max().item() <= atol
