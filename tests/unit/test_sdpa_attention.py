@@ -177,3 +177,28 @@ def test_fused_swiglu_equals_eager_glu(dtype, atol):
     # bf16: the compiled kernel rounds once at the end, eager rounds silu and the product: 1-2 ulps
     assert (y_f - y_e).abs().max().item() <= atol
     assert (g_f - g_e).abs().max().item() <= atol
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_fused_weighted_swiglu_equals_eager(dtype, atol):
+    """MoE: SequentialMLP passes each token's routing probability, megatron's MLP then takes
+    weighted_bias_swiglu_impl; the unfused path multiplied glu(x) by the fp32 probabilities."""
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 2 * 48, generator=gen).to(DEVICE, dtype)  # [tokens of one expert, 2f]
+    probs = torch.rand(11, 1, generator=gen).to(DEVICE)  # fp32, as the router's softmax
+    grad = torch.randn(11, 48, generator=gen).to(DEVICE, dtype)
+    outs = []
+    for fused in (True, False):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        if fused:
+            y = weighted_bias_swiglu_impl(xi, None, pi)
+        else:
+            gate, up = torch.chunk(xi, 2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up * pi).to(dtype)
+        y.backward(grad)
+        outs.append([t.float() for t in (y.detach(), xi.grad, pi.grad)])
+    for name, f, e in zip(("out", "dx", "dprobs"), *outs):
+        bound = atol * max(1.0, e.abs().max().item())
+        assert (f - e).abs().max().item() <= bound, name
