@@ -62,7 +62,13 @@ def transformer_config(
         use_cpu_initialization=not on_gpu,
         perform_initialization=init_weights,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        # SwiGLU through megatron's bias_swiglu_impl (fusions/fused_bias_swiglu.py, bias None with
+        # add_bias_linear=False): an autograd Function that saves only fc1's output [.., 2f] and
+        # recomputes silu in backward, where the unfused glu keeps silu(gate) [.., f] beside it. Its
+        # kernels go through megatron's jit_fuser (torch.compile; inductor builds C++ with gcc on
+        # CPU, a few seconds once per process and shape class); fp32 and bf16 equal to the eager glu
+        # within rounding (tests/unit/test_sdpa_attention.py).
+        bias_activation_fusion=True,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -130,9 +136,16 @@ def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     # MoE: SequentialMLP of local experts (mlp.experts.local_experts.{i}.linear_fc1/fc2), router mlp.router
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
+    # The local spec's DotProductAttention materialises [b, heads, s, s] scores and an fp32 softmax per
+    # layer (kept for backward); SDPA keeps neither (sdpa_attention.py). It is also the GPU path when
+    # Transformer Engine is missing: flash / memory-efficient attention there.
+    from megatron_bridge.sdpa_attention import SDPADotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def _have_transformer_engine() -> bool:
