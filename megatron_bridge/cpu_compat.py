@@ -38,6 +38,7 @@ def apply() -> bool:
     _patch_cuda_type_checks()
     _patch_tensor_cuda_calls()
     _patch_moe_dtoh_stream()
+    _patch_eager_swiglu()
     _APPLIED = True
     log.debug("megatron-core CPU patches applied")
     return True
@@ -157,6 +158,31 @@ def _patch_moe_router_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# (i) fusions/fused_bias_swiglu.py decorates swiglu / swiglu_back (and the bias and weighted
+#     variants) with `megatron.core.jit.jit_fuser`, which is `torch.compile` on torch >= 2.2: on CPU
+#     inductor builds C++ with the system g++ at the first call of every process (up to ~10 s each,
+#     and a compiler needed on every node). Their autograd Functions (SwiGLUFunction,
+#     WeightedSwiGLUFunction, reached from transformer/mlp.py and moe/experts.py with
+#     bias_activation_fusion) save only fc1's output whichever way the kernels run: the eager
+#     originals keep that memory saving with the same maths (tests/unit/test_sdpa_attention.py).
+_SWIGLU_KERNELS = (
+    "swiglu",
+    "swiglu_back",
+    "bias_swiglu",
+    "bias_swiglu_back",
+    "weighted_swiglu",
+    "weighted_swiglu_back",
+)
+
+
+def _patch_eager_swiglu() -> None:
+    from megatron.core.fusions import fused_bias_swiglu
+
+    for name in _SWIGLU_KERNELS:
+        kernel = getattr(fused_bias_swiglu, name)
+        setattr(fused_bias_swiglu, name, getattr(kernel, "_torchdynamo_orig_callable", kernel))
 
 
 class _CpuStream:

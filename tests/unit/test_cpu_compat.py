@@ -85,3 +85,15 @@ def test_bf16_float16_optimizer_builds_fp32_main_params_on_cpu():
     assert main is p.main_param and main.dtype == torch.float32 and main is not p
     assert opt.get_loss_scale().device.type == "cpu" and opt.get_loss_scale().item() == 1.0
     assert p.type() == "torch.BFloat16Tensor"  # outside the wrapped constructor: the true name
+
+
+def test_swiglu_kernels_run_eagerly():
+    """(i): no torch.compile (and no C++ compiler) for megatron's fused SwiGLU on CPU; same maths."""
+    from megatron.core.fusions import fused_bias_swiglu as f
+
+    for name in cpu_compat._SWIGLU_KERNELS:
+        assert not hasattr(getattr(f, name), "_torchdynamo_orig_callable"), name
+    x = torch.randn(5, 8, requires_grad=True)
+    y = f.bias_swiglu_impl(x, None)
+    gate, up = x.detach().chunk(2, -1)
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up)
