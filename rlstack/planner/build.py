@@ -80,8 +80,8 @@ def plan_for_config(
     args = model_args(hf, source)
     dims = _dims(cfg, world_size, args)
     shape = shape_of(args, dims.tp, dims.ep)
-    if fused_attention is None:
-        fused_attention = device == "gpu"
+    if fused_attention is None:  # SDPA core attention (megatron_bridge/sdpa_attention.py) or TE's
+        fused_attention = True
     setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
     budget = int(gpu_memory_gib * GIB)
     stage, items, kv = _most_loaded_stage(cfg, dims, shape, setting, device, budget)

@@ -162,13 +162,14 @@ def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_
 
     Per token: two RMSNorms (input and normalised output kept: 2h each), the qkv and fc1 linear
     inputs are those outputs; q, k, v and the attention context (unfused attention repeats k and v
-    to every head for GQA: q_size each); SwiGLU keeps fc1's output (2f), silu's output (f) and the
-    product fed to fc2 (f). Unfused attention (megatron's local spec, the CPU path) also keeps the
-    fp32 softmax [b, heads/t, s, s] (plus its cast to bf16/fp16); fused/flash attention (TE) keeps
-    only its output and a log-sum-exp per row.
+    to every head for GQA: q_size each); the fused SwiGLU (bias_activation_fusion) keeps fc1's
+    output (2f) and the product fed to fc2 (f), recomputing silu in backward. Unfused attention
+    (megatron's DotProductAttention) also keeps the fp32 softmax [b, heads/t, s, s] (plus its cast
+    to bf16/fp16); fused attention (rlstack's SDPA core attention in the local spec, TE's on a GPU
+    with Transformer Engine) keeps only its output and a log-sum-exp per row.
     """
     kv = s.kv_size if fused_attention else s.q_size
-    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 4 * s.active_ffn // tp) * act_bytes
+    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 3 * s.active_ffn // tp) * act_bytes
     per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
     if s.num_experts:  # MoE: each token's top-k copies permuted to its experts and back (2 x k x h)
         per_token += 2 * s.moe_topk * s.hidden_size * act_bytes

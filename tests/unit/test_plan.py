@@ -61,15 +61,16 @@ def test_weights_grads_adam_and_dp_sharding():
 
 def test_activations_with_and_without_recompute():
     mb = m.Tokens(batch=2, seq_len=4)  # 8 tokens, bf16
-    # fused attention, per token: (4h + 2q + 2kv + 4f) x 2 bytes + 2h x 2 = (32 + 24 + 64) x 2 + 32 = 272
-    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=True) == 272 * 8
-    # unfused: k, v repeated to every head (kv = q = 8): 288 per token, + softmax 2 x 2 x 4 x 4 x (4 + 2)
-    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=False) == 288 * 8 + 384
+    # fused attention, per token: (4h + 2q + 2kv + 3f (fused SwiGLU)) x 2 bytes + 2h x 2
+    # = (32 + 24 + 48) x 2 + 32 = 240
+    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=True) == 240 * 8
+    # unfused: k, v repeated to every head (kv = q = 8): 256 per token, + softmax 2 x 2 x 4 x 4 x (4 + 2)
+    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=False) == 256 * 8 + 384
     hidden = 8 * 8 * 2  # one [s, b, h] in bf16
     full = m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=False, in_flight=1)
-    assert full == 2 * 2176 + 3 * hidden
+    assert full == 2 * 1920 + 3 * hidden
     recompute = m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=True, in_flight=1)
-    assert recompute == 2 * hidden + 2176 + 3 * hidden
+    assert recompute == 2 * hidden + 1920 + 3 * hidden
     assert m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=False, in_flight=2) == 2 * full
 
 
