@@ -13,9 +13,10 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     import torch
 
     from megatron_bridge.parallel import destroy_distributed, init_distributed
+    from rlstack import host_memory
 
     _set_threads(cfg.parallel.threads_per_rank)
-    set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb)
+    host_memory.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb)
     _quiet_dependency_warnings()
     p = cfg.parallel
     if cfg.placement.rollout_ranks > 0:
@@ -106,30 +107,6 @@ def _stalled_ranks_error(e: BaseException, health, cfg, rank: int):
         f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
         f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept"
     )
-
-
-def set_mmap_threshold(kb: int) -> bool:
-    """Fix glibc's mmap threshold at `kb` KiB (0: leave glibc's default). True when it took effect.
-
-    glibc serves allocations below its threshold from the heap and, by default, raises the threshold
-    to the size of each mmap'd block freed (up to 32 MiB): after the first step every activation of a
-    micro-batch (a few MiB each) comes from the heap, whose freed pages stay resident (fragmented,
-    not trimmed). A fixed threshold (`mallopt(M_MMAP_THRESHOLD)`, which also stops the dynamic
-    adjustment) maps each such tensor on its own and unmaps it on free. No effect off glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    if kb <= 0:
-        return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
-        return False
-    m_mmap_threshold = -3  # <malloc.h>
-    return mallopt(m_mmap_threshold, int(kb) * 1024) == 1
 
 
 def _quiet_dependency_warnings() -> None:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_bridge.parallel import ParallelGroups
-from rlstack import collectives, stages
+from rlstack import collectives, host_memory, stages
 from rlstack.algorithms import build_kl_controller, compute_advantages, place_at_last_token
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.config import ExperimentConfig, adv_estimator
@@ -305,8 +305,10 @@ class Trainer:
         return metrics
 
     def _enter(self, phase: str) -> None:
-        """A phase of the step begins: offload moves states for it, the meter starts its peak."""
+        """A phase of the step begins: offload moves states for it, freed host heap pages go back to
+        the kernel (rlstack/host_memory.py), the meter starts its peak."""
         self.offload.enter(phase)
+        host_memory.trim_heap()
         self.phase_memory.enter(phase)
 
     def _engine_memory(self) -> dict:
