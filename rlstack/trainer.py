@@ -297,6 +297,11 @@ class Trainer:
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
         metrics.update(self._engine_memory())
+        return self._finish_step(metrics)
+
+    def _finish_step(self, metrics: dict) -> dict:
+        """What every step ends with (colocated or split): reward and phase-memory metrics, the
+        divergence check, then the step count."""
         metrics.update(self._reward_extra_metrics(over_dp=True))
         metrics.update(self._rm_metrics)
         self._check_finite(metrics)
@@ -379,12 +384,7 @@ class Trainer:
             }
         )
         metrics.update(self._rollout_metrics(scores, gens, batch.tokens, timings))
-        metrics.update(self._reward_extra_metrics(over_dp=True))
-        metrics.update(self._rm_metrics)
-        self._check_finite(metrics)
-        metrics.update(self.phase_memory.metrics())
-        self.step += 1
-        return metrics
+        return self._finish_step(metrics)
 
     def _build_rollout(self, prompts: list, gens: list, scores: list) -> Rollout:
         a, pad = self.cfg.algorithm, self.tokenizer.pad_token_id
