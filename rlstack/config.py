@@ -35,6 +35,9 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
     cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
     gradient_checkpointing: bool = False  # megatron full activation recompute in training
+    # The actor's and reference's LM head multiplied inside the log-prob, chunk by chunk (verl's
+    # use_fused_kernels): no [tokens, vocab] logits or gradient, one more chunked matmul in backward.
+    fused_output_logprobs: bool = True
 
 
 @dataclass

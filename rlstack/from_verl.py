@@ -47,6 +47,7 @@ DIRECT: dict[str, str] = {
     "data.seed": "data.seed",
     MODEL + "path": "model.path",
     MODEL + "enable_gradient_checkpointing": "model.gradient_checkpointing",
+    MODEL + "use_fused_kernels": "model.fused_output_logprobs",
     ACTOR + "optim.lr": "algorithm.actor_lr",
     ACTOR + "optim.weight_decay": "algorithm.weight_decay",
     ACTOR + "optim.clip_grad": "algorithm.clip_grad",

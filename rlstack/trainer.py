@@ -159,13 +159,13 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
     critic_optim = OptimSettings(
         lr=a.critic_lr, lr_warmup_steps=warmup_steps(a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim
     )
-    recompute = cfg.model.gradient_checkpointing
+    recompute, fused = cfg.model.gradient_checkpointing, cfg.model.fused_output_logprobs
     actor = Actor(
-        MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute),
+        MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute, fused_output=fused),
         a,
         temperature=cfg.rollout.temperature,
     )
-    ref = MegatronRole(hf_dir, groups, dtype) if (a.use_kl_loss or a.use_kl_in_reward) else None
+    ref = MegatronRole(hf_dir, groups, dtype, fused_output=fused) if (a.use_kl_loss or a.use_kl_in_reward) else None
     critic = None
     if a.name == "ppo":
         critic = Critic(

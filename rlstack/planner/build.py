@@ -148,6 +148,7 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
         rollout_seqs=max(1, at_once),
         max_model_len=r.max_model_len or min(max_position_embeddings, seq_len),
         fused_attention=fused_attention,
+        fused_output=getattr(cfg.model, "fused_output_logprobs", False),
         has_critic=a.name == "ppo",
         has_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),

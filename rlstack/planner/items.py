@@ -76,6 +76,7 @@ class Setting:
     rollout_seqs: int  # sequences generated at once by one engine
     max_model_len: int
     fused_attention: bool
+    fused_output: bool  # model.fused_output_logprobs: no [tokens, vocab] logits
     has_critic: bool
     has_reference: bool
     needs_old_logprob: bool
@@ -155,18 +156,29 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
         head = m.value_head_bytes(mb)
         items.append(Item(role, "value-head temporaries", {"scoring": head, "update": head}, transient=True))
     else:
-        temperature = cfg.rollout.temperature
-        lp_score = m.logprob_forward_bytes(shape, tp, mb, e, temperature) if s.needs_old_logprob else 0
+        lp_score = _logprob_bytes(cfg, tp, shape, s, train=False) if s.needs_old_logprob else 0
+        what = (
+            "fused LM head + log-prob/entropy: fp32 logits chunks and the head's fp32 gradient"
+            if s.fused_output
+            else "log-prob/entropy: logits + their gradient, fp32 row chunks"
+        )
         items.append(
             Item(
                 role,
-                f"log-prob/entropy: logits + their gradient, fp32 row chunks of [{mb.count} tokens, "
-                f"{shape.padded_vocab_size // tp} vocab/tp]",
-                {"scoring": lp_score, "update": m.logprob_train_bytes(shape, tp, mb, e, temperature)},
+                f"{what} of [{mb.count} tokens, {shape.padded_vocab_size // tp} vocab/tp]",
+                {"scoring": lp_score, "update": _logprob_bytes(cfg, tp, shape, s, train=True)},
                 transient=True,
             )
         )
     return items
+
+
+def _logprob_bytes(cfg, tp: int, shape, s: Setting, train: bool) -> int:
+    """Peak of one micro-batch's log-probs: fused (model.fused_output_logprobs) or from full logits."""
+    if s.fused_output:
+        return m.fused_logprob_bytes(shape, tp, s.train_mb, train)
+    fn = m.logprob_train_bytes if train else m.logprob_forward_bytes
+    return fn(shape, tp, s.train_mb, s.param_bytes, cfg.rollout.temperature)
 
 
 def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
@@ -186,7 +198,7 @@ def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
             Item(
                 "reference",
                 "log-prob temporaries (forward only)",
-                {"scoring": m.logprob_forward_bytes(shape, dims.tp, mb, e, cfg.rollout.temperature)},
+                {"scoring": _logprob_bytes(cfg, dims.tp, shape, s, train=False)},
                 transient=True,
             )
         )

@@ -253,6 +253,25 @@ def logprob_forward_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, tempera
     return logits_elems(s, tp, mb) * act_bytes + logprob_chunk_bytes(s, tp, mb) + mb.count * LOGPROB_ROW_BYTES
 
 
+# workers/logprobs.py FUSED_CHUNK_ELEMS (checked equal in tests/distributed/test_logprobs.py)
+FUSED_CHUNK_ELEMS = 8 * 2**20
+
+
+def fused_logprob_bytes(s: Shape, tp: int, mb: Tokens, train: bool) -> int:
+    """Peak of `fused_output_logprobs` on one micro-batch (model.fused_output_logprobs).
+
+    Two fp32 [chunk, V/t] buffers that every row chunk's logits are written into, forward and
+    backward; with grad, the LM head's fp32 weight-gradient accumulator [V/t, h] (what megatron's
+    output layer would have produced as its weight's `.grad`) and the hidden states' gradient.
+    No logits of the whole micro-batch exist.
+    """
+    buffers = 2 * 4 * min(logits_elems(s, tp, mb), max(FUSED_CHUNK_ELEMS, s.padded_vocab_size // tp))
+    if not train:
+        return buffers + mb.count * LOGPROB_ROW_BYTES
+    head_grad = 4 * (s.padded_vocab_size // tp) * s.hidden_size
+    return buffers + head_grad + mb.count * (LOGPROB_ROW_BYTES + 4 * s.hidden_size)
+
+
 def value_head_bytes(mb: Tokens) -> int:
     """The critic's values [b, s] and their fp32 loss temporaries: a handful of [b, s] tensors."""
     return mb.count * 4 * 8

@@ -6,19 +6,22 @@ token t is a response token; `logprob[b, t]` = log p(tokens[b, t] | tokens[b, <t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss, rollout_is_weights
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
-from rlstack.workers.logprobs import align_to_tokens, shift_targets, vocab_parallel_logprobs
+from rlstack.workers.logprobs import align_to_tokens, fused_output_logprobs, shift_targets, vocab_parallel_logprobs
 from rlstack.workers.megatron_role import MegatronRole
 
 
 def token_logprobs(
     role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0
 ):
-    """logits [b, S, V/tp] of a micro-batch -> token-aligned logprob [b, S] (+ entropy [b, S]).
+    """logits [b, S, V/tp] of a micro-batch (with `role.fused_output`: the LM head's input [b, S, h])
+    -> token-aligned logprob [b, S] (+ entropy [b, S]).
 
     Log-probs are of the distribution the rollout sampled from (logits / temperature), as in verl,
     so the importance ratio compares like with like.
@@ -26,8 +29,11 @@ def token_logprobs(
     g = role.groups
     # The temperature is applied inside, chunk by chunk: `logits.float() / T` here would be a full
     # fp32 [b, S, V/tp] copy (and the autograd graph would keep it).
-    out = vocab_parallel_logprobs(
-        logits,
+    if role.fused_output:  # the LM head's matmul happens inside, chunk by chunk
+        fn = functools.partial(fused_output_logprobs, logits, role.output_weight())
+    else:
+        fn = functools.partial(vocab_parallel_logprobs, logits)
+    out = fn(
         shift_targets(mb["tokens"]),
         role.args.vocab_size,
         g.tp,

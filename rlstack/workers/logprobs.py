@@ -168,3 +168,153 @@ def shift_targets(tokens: torch.Tensor) -> torch.Tensor:
 def align_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     """[B, S] values computed at position t (about token t+1) -> [B, S] indexed by token t; t=0 gets 0."""
     return torch.cat([torch.zeros_like(per_position[:, :1]), per_position[:, :-1]], dim=1)
+
+
+# ------------------------------------------------------------------ fused output layer
+#
+# With `model.fused_output_logprobs` the LM head's matmul moves in here: hidden states [N, h] and the
+# output weight [V/tp, h] go in, log-probs (and entropy) come out, and logits exist one chunk of
+# rows at a time: in forward for the softmax statistics, in backward recomputed for the gradients
+# of the hidden states and the weight. No [N, V/tp] tensor is ever alive (the logits, megatron's
+# transposed copy of them, their gradient), at the price of one more chunked matmul in backward.
+
+FUSED_CHUNK_ELEMS = 8 * 2**20  # fp32 elements of one [chunk, V/tp] logits buffer (32 MiB)
+
+
+def fused_output_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_group,
+    tp_rank: int,
+    tp_size: int,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_elems: int = FUSED_CHUNK_ELEMS,
+):
+    """hidden [B, S, h] (the LM head's input, already in the TP region), weight [V/tp, h] (this rank's
+    vocab rows), targets [B, S] -> logprob [B, S] (+ entropy [B, S]), fp32: the same numbers as
+    `vocab_parallel_logprobs(hidden @ weight.T, ...)`. Gradients flow to `hidden` and `weight`.
+    """
+    assert temperature > 0, "temperature must be positive (config checks it)"
+    shard = weight.shape[0]
+    start = tp_rank * shard
+    real = max(0, min(shard, vocab_size - start))
+    chunk = max(1, chunk_elems // max(real, 1))
+    lead = hidden.shape[:-1]
+    logprob, entropy = _FusedOutputLogprob.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        start,
+        real,
+        float(temperature),
+        chunk,
+        with_entropy,
+        _Reducer(tp_group, tp_size),
+    )
+    if not with_entropy:
+        return logprob.view(lead)
+    return logprob.view(lead), entropy.view(lead)
+
+
+class _FusedOutputLogprob(torch.autograd.Function):
+    """x = hidden @ W[:real].T / T per chunk of rows. Each shard shifts by its own row max m; the
+    shards' sums are rescaled to the global max M once, after the last chunk (one max and one sum
+    all-reduce at TP > 1, as `_VocabParallelLogprob`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, start, real, temperature, chunk, with_entropy, reduce):
+        n = hidden.shape[0]
+        w = weight[:real]  # [real, h] view: the padded vocab rows are not tokens
+        local_t = targets - start
+        in_shard = (local_t >= 0) & (local_t < real)
+        local_t = local_t.clamp(0, max(real - 1, 0))
+        # stats[0] = row max m, [1] = sum exp(x - m), [2] = x_target - m (0 off shard), [3] = sum exp(x - m)(x - m)
+        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)
+        stats[0] = float("-inf")
+        buf, ebuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
+        for lo in range(0, n if real else 0, chunk):
+            hi = min(n, lo + chunk)
+            x = _chunk_logits(hidden[lo:hi], w, buf, temperature)  # [c, real] fp32
+            m = x.amax(dim=-1)  # [c]
+            x.sub_(m.unsqueeze(-1))
+            e = torch.exp(x, out=ebuf[: hi - lo])
+            stats[0, lo:hi] = m
+            stats[1, lo:hi] = e.sum(-1)
+            stats[2, lo:hi] = torch.where(in_shard[lo:hi], x.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1), 0.0)
+            if with_entropy:
+                stats[3, lo:hi] = e.mul_(x).sum(-1)
+        del buf, ebuf
+        row_max = reduce.max_(stats[0].clone())  # M [N]
+        scale = torch.where(torch.isfinite(stats[0]), (stats[0] - row_max).exp(), 0.0)  # e^(m - M)
+        shift = torch.where(torch.isfinite(stats[0]), stats[0] - row_max, 0.0)  # m - M
+        sums = torch.stack(
+            [
+                stats[1] * scale,  # sum exp(x - M)
+                torch.where(in_shard, stats[2] + shift, 0.0),  # x_target - M
+                (stats[3] + shift * stats[1]) * scale,  # sum exp(x - M)(x - M)
+            ]
+        )
+        sums = reduce.sum_(sums)
+        log_z = sums[0].log()  # log sum exp(x - M)
+        logprob = sums[1] - log_z
+        entropy = log_z - sums[2] / sums[0] if with_entropy else None
+        ctx.save_for_backward(hidden, weight, local_t, in_shard, row_max, log_z, entropy)
+        ctx.meta = (real, temperature, chunk)
+        return logprob, (entropy if entropy is not None else torch.zeros_like(logprob))
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        # d logprob / d x_j = 1[j = t] - p_j;  d H / d x_j = -p_j (log p_j + H);  x = hidden @ w.T / T
+        hidden, weight, local_t, in_shard, row_max, log_z, entropy = ctx.saved_tensors
+        real, temperature, chunk = ctx.meta
+        n = hidden.shape[0]
+        w = weight[:real]
+        grad_hidden = torch.zeros_like(hidden)
+        # fp32 accumulation over chunks (a bf16 weight's gradient is rounded once, at the end)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        buf, pbuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
+        h_w = hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
+        for lo in range(0, n if real else 0, chunk):
+            hi = min(n, lo + chunk)
+            log_p = _chunk_logits(hidden[lo:hi], w, buf, temperature)
+            log_p.sub_((row_max[lo:hi] + log_z[lo:hi]).unsqueeze(-1))
+            p = torch.exp(log_p, out=pbuf[: hi - lo])  # [c, real]
+            g_lp = grad_logprob[lo:hi].unsqueeze(-1)  # [c, 1]
+            if entropy is None:
+                coef = p.mul_(g_lp)  # p_j g_lp
+            else:
+                g_h = grad_entropy[lo:hi].unsqueeze(-1)
+                coef = log_p.add_(entropy[lo:hi].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p)
+            coef.neg_()
+            rows = torch.arange(hi - lo, device=hidden.device)
+            hit = in_shard[lo:hi]
+            coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
+            coef.div_(temperature)  # d loss / d (hidden @ w.T) [c, real]
+            coef_w = coef if weight.dtype == torch.float32 else coef.to(weight.dtype)
+            grad_hidden[lo:hi] = coef_w @ w
+            if weight.dtype == torch.float32:
+                grad_weight[:real].addmm_(coef_w.t(), h_w[lo:hi])
+            else:
+                grad_weight[:real] += (coef_w.t() @ h_w[lo:hi]).float()
+            del log_p, p, coef, coef_w
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def _logits_buffer(rows: int, real: int, like: torch.Tensor) -> torch.Tensor:
+    """One fp32 [rows, real] buffer that every chunk's logits are written into (no new pages per chunk)."""
+    return torch.empty((rows, real), dtype=torch.float32, device=like.device)
+
+
+def _chunk_logits(hidden: torch.Tensor, w: torch.Tensor, buf: torch.Tensor, temperature: float) -> torch.Tensor:
+    """hidden [c, h] @ w.T [h, real] / T into buf's first c rows, fp32 (the model's dtype for the matmul)."""
+    out = buf[: hidden.shape[0]]
+    if w.dtype == torch.float32 and hidden.dtype == torch.float32:
+        torch.mm(hidden, w.t(), out=out)
+    else:
+        out.copy_(hidden.to(w.dtype) @ w.t())
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out

@@ -116,6 +116,7 @@ class MegatronRole:
         optim: Optional[OptimSettings] = None,
         recompute: bool = False,
         value_head_seed: int = 0,
+        fused_output: bool = False,
     ):
         from megatron_bridge.hf import build_megatron_from_hf
 
@@ -134,11 +135,20 @@ class MegatronRole:
         else:
             self.model, self.optimizer, self.lr_schedule = _wrap_for_training(model, self.config, optim)
         self.padded_vocab = self.args.padded_vocab_size(groups.dims.tp)
+        # model.fused_output_logprobs: the last stage's LM head hands its input to the loss, which
+        # multiplies it chunk by chunk (rlstack.workers.logprobs.fused_output_logprobs).
+        self.fused_output = fused_output and not value_head
+        self._lm_head = _DeferredLMHead(self.module) if self.fused_output and groups.is_last_stage else None
 
     @property
     def module(self):
         """The bare GPTModel (unwrapped from DDP)."""
         return getattr(self.model, "module", self.model)
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight on the last stage, [V/tp, h]: the tied embedding or `output_layer.weight`."""
+        m = self.module
+        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
 
     def run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
         """Run `loss_fn(mb, output) -> (loss, stats)` over micro-batches; stats from the last stage."""
@@ -150,7 +160,8 @@ class MegatronRole:
             return output, functools.partial(_call_loss, loss_fn, mb)
 
         tokens = micro_batches[0]["tokens"]
-        with torch.no_grad() if forward_only else _nullcontext():
+        deferred = self._lm_head if self._lm_head is not None else _nullcontext()
+        with torch.no_grad() if forward_only else _nullcontext(), deferred:
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
@@ -208,6 +219,53 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
+
+
+class _DeferredLMHead:
+    """Within `with`: the GPTModel's output layer returns its input, in the TP region, instead of logits.
+
+    Only the multiplication moves to the loss (`fused_output_logprobs`). Entering the TP region is
+    kept: forward the identity, backward the hidden states' gradient all-reduced over TP (what
+    ColumnParallelLinear's `allreduce_dgrad` does). GPTModel returns the result as [b, s, h] (its
+    `transpose(0, 1).contiguous()` of "logits"), so that gradient arrives transposed.
+    rlstack's models run without sequence parallelism (megatron_bridge.models).
+    """
+
+    def __init__(self, model):
+        self.layer = model.output_layer
+        assert not self.layer.sequence_parallel, "bug: the fused LM head has no sequence-parallel gather"
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        return _EnterTensorParallel.apply(input_, self.layer.tp_group), None
+
+    def __enter__(self):
+        self.layer.forward = self.forward  # an instance attribute: nn.Module.__call__ finds it first
+        return self
+
+    def __exit__(self, *exc):
+        del self.layer.forward  # the class's ColumnParallelLinear.forward again
+        return False
+
+
+class _EnterTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the TP group.
+
+    Not megatron's `copy_to_tensor_model_parallel_region`: in megatron-core 0.16.1 its `_reduce`
+    all-reduces `grad.contiguous()` and returns `grad`, so a non-contiguous gradient (here: a
+    transposed one) comes back unreduced (docs/megatron.md).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.group is not None and ctx.group.size() > 1:
+            torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _call_loss(loss_fn, mb, output):

@@ -152,7 +152,90 @@ def test_matches_log_softmax():
 
 
 def test_planner_counts_the_same_chunk():
+    from rlstack.planner.memory import FUSED_CHUNK_ELEMS as PLANNED_FUSED
     from rlstack.planner.memory import LOGPROB_CHUNK_ELEMS
-    from rlstack.workers.logprobs import CHUNK_ELEMS
+    from rlstack.workers.logprobs import CHUNK_ELEMS, FUSED_CHUNK_ELEMS
 
-    assert LOGPROB_CHUNK_ELEMS == CHUNK_ELEMS
+    assert LOGPROB_CHUNK_ELEMS == CHUNK_ELEMS and PLANNED_FUSED == FUSED_CHUNK_ELEMS
+
+
+# ------------------------------------------------------------------ fused output layer
+
+HIDDEN = 16
+
+
+def _fused_inputs():
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(B, S, HIDDEN, generator=gen) * 0.5
+    weight = torch.randn(PADDED, HIDDEN, generator=gen) * 0.5  # [padded V, h]; rows >= VOCAB are padding
+    logits, targets, g_lp, g_ent = _inputs()
+    return hidden, weight, targets, g_lp, g_ent
+
+
+def _fused_and_unfused(hidden, weight, targets, g_lp, g_ent, group, rank, size, with_entropy, temperature, chunk):
+    """Relative differences of (values, grad hidden, grad weight) between the fused function and the
+    unfused one on hidden @ weight.T, and the fused weight gradient."""
+    from rlstack.workers.logprobs import fused_output_logprobs, vocab_parallel_logprobs
+
+    out = {}
+    for name in ("fused", "unfused"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        args = (targets, VOCAB, group, rank, size, with_entropy, temperature)
+        if name == "fused":
+            res = fused_output_logprobs(h, w, *args, chunk_elems=chunk)
+        else:
+            res = vocab_parallel_logprobs(h @ w.t(), *args, chunk_elems=chunk)
+        res = res if with_entropy else (res,)
+        loss = (res[0] * g_lp).sum() + ((res[1] * g_ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        out[name] = [r.detach() for r in res] + [h.grad, w.grad]
+    # relative to the largest magnitude: the two orders of fp32 rounding differ by a few ulps
+    diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(out["fused"], out["unfused"])]
+    return diffs, out["fused"][-1]
+
+
+@pytest.mark.parametrize("with_entropy,temperature,chunk_elems", CASES)
+def test_fused_output_tp1_equals_unfused(with_entropy, temperature, chunk_elems):
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    diffs, w_grad = _fused_and_unfused(
+        hidden, weight, targets, g_lp, g_ent, None, 0, 1, with_entropy, temperature, chunk_elems
+    )
+    assert max(diffs) < 1e-6, diffs
+    assert float(w_grad[VOCAB:].abs().max()) == 0.0  # padded vocab rows get no gradient
+    assert float(w_grad[:VOCAB].abs().max()) > 0.1
+
+
+def _fused_tp2_worker(cases):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    shard = weight[rank * (PADDED // 2) : (rank + 1) * (PADDED // 2)].contiguous()
+    g_lp, g_ent = g_lp * (1 + rank), g_ent * (1 - 2 * rank)
+    return [
+        _fused_and_unfused(hidden, shard, targets, g_lp, g_ent, dist.group.WORLD, rank, 2, *case)[0] for case in cases
+    ]
+
+
+def test_fused_output_tp2_equals_unfused():
+    per_rank = run_distributed(_fused_tp2_worker, 2, CASES, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for case, diffs in zip(CASES, results):
+            assert max(diffs) < 1e-6, (rank, case, diffs)
+
+
+def test_fused_output_matches_log_softmax_in_float64():
+    """Values and gradients against torch.log_softmax in float64 (relative 1e-6: fp32's own rounding)."""
+    from rlstack.workers.logprobs import fused_output_logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
+    grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    log_p = torch.log_softmax((h64 @ w64.t())[..., :VOCAB] / 0.7, -1)
+    lp64, ent64 = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+    grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
+    for got, want in zip([lp, ent, *grads], [lp64, ent64, *grads64]):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6

@@ -31,7 +31,7 @@ OPTIMIZERS = {
 }
 
 
-def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer: str = "sgd"):
+def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer: str = "sgd", fused: bool = False):
     from megatron_bridge.hf import gather_hf_state_dict
     from megatron_bridge.parallel import init_distributed
     from rlstack.collectives import sum_floats
@@ -44,6 +44,7 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
         g,
         torch.float32,
         optim=OptimSettings(clip_grad=0.0, use_distributed_optimizer=use_dist_opt, **OPTIMIZERS[optimizer]),
+        fused_output=fused,
     )
     full = _batch(role.args.vocab_size)
     per_dp = BATCH // g.dims.dp
@@ -119,6 +120,22 @@ def test_dp2_distributed_optimizer_adam_equals_full_batch(tiny_llama):
     # grads are reduce-scattered: each rank's buffer is exact only on its own shard, so compare
     # the loss and the updated (all-gathered) weights
     _assert_close(sharded, single, kinds=("weights",))
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_fused_output_layer_matches_single_rank(tiny_llama, reference, tp, pp):
+    """model.fused_output_logprobs (the LM head multiplied inside the log-prob, tied embedding): the
+    same loss, gradients (the tied embedding's two contributions, the decoder's through the TP
+    region) and stepped weights as megatron's own output layer on one rank."""
+    result = run_distributed(_train_one_step, tp * pp, tiny_llama, tp, pp, False, "sgd", True)[0]
+    _assert_close(result, reference)
+
+
+def test_fused_output_layer_untied_tp2(tiny_qwen2):
+    """An untied LM head (`output_layer.weight`, its own gradient) at TP2 against TP1 unfused."""
+    single = run_distributed(_train_one_step, 1, tiny_qwen2, 1, 1, False)[0]
+    fused = run_distributed(_train_one_step, 2, tiny_qwen2, 2, 1, False, "sgd", True)[0]
+    _assert_close(fused, single)
 
 
 def test_reference_step_changes_weights(tiny_llama, reference):
