@@ -398,13 +398,14 @@ def render_markdown(results: dict, f: dict) -> str:
     return "\n".join(out)
 
 
-def readme_section(results: dict, f: dict, results_dir: str) -> str:
+def readme_section(results: dict, f: dict, results_dir: str, name: str = "") -> str:
     """The latest CPU table for a README: main figures, TRL ratios, targets, and links to the full run.
 
-    results_dir: the results folder relative to the README ("results" from benchmarks/README.md).
+    results_dir: the results folder relative to the README ("results" from benchmarks/README.md);
+    name: the results' file stem there (default <config>-<date>).
     """
     s = results["setup"]
-    name = f"{results['config_name']}-{results['date']}"
+    name = name or f"{results['config_name']}-{results['date']}"
     return "\n".join(
         [
             f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "

@@ -399,10 +399,20 @@ def main(argv=None) -> int:
     return publish(results, args.out_dir)
 
 
+def free_stem(stem: str) -> str:
+    """`stem`, or `stem-2`, `stem-3`, ...: a repeated run on the same day never overwrites saved results."""
+    taken = lambda c: any(os.path.exists(c + ext) for ext in (".md", ".json", ".png"))  # noqa: E731
+    n, candidate = 1, stem
+    while taken(candidate):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
 def publish(results: dict, out_dir: str) -> int:
     figures = derive(results)
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{results['config_name']}-{results['date']}")
+    stem = free_stem(os.path.join(out_dir, f"{results['config_name']}-{results['date']}"))
     text = report.render_markdown(results, figures)
     with open(stem + ".md", "w") as f:
         f.write(text)
@@ -414,7 +424,9 @@ def publish(results: dict, out_dir: str) -> int:
     default_dir = os.path.abspath(out_dir) == os.path.join(ROOT, "benchmarks", "results")
     if results["setup"]["device"] == "cpu" and default_dir:  # the READMEs link into the default folder
         for readme, rel in (("benchmarks/README.md", "results"), ("README.md", "benchmarks/results")):
-            report.update_readme(os.path.join(ROOT, readme), report.readme_section(results, figures, rel))
+            report.update_readme(
+                os.path.join(ROOT, readme), report.readme_section(results, figures, rel, os.path.basename(stem))
+            )
     print(text, flush=True)
     print(f"wrote {stem}.md, .json, .png", flush=True)
     parts = [results.get(k, {}) for k in ("stages", "ceilings")]

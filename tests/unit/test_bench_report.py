@@ -422,3 +422,14 @@ def test_one_process_setting_has_its_own_layout_and_state():
     assert f["settings"]["no_ref"]["mem/state_gib_per_rank"] == pytest.approx(3.0)  # Adam over DP2
     text = report.render_markdown(results, f)
     assert "(rlstack: 2 ranks x 1; one_process: 1 x 2; TRL:" in text
+
+
+def test_a_repeated_run_never_overwrites_saved_results(tmp_path):
+    from benchmarks.run import free_stem
+
+    stem = str(tmp_path / "cfg-2026-12-01")
+    assert free_stem(stem) == stem
+    (tmp_path / "cfg-2026-12-01.json").write_text("{}")
+    assert free_stem(stem) == stem + "-2"
+    (tmp_path / "cfg-2026-12-01-2.md").write_text("")
+    assert free_stem(stem) == stem + "-3"
