@@ -4,9 +4,10 @@
 
 Each variant runs in a fresh process and reports RSS at each point (MiB): the runtime after
 imports, the role built (weights + fp32 grad buffer), after the first optimizer step (+ Adam
-state), and the peak of a second update (VmHWM reset just before it). Variants: the log-prob
-function of rlstack (chunked, recomputing) and the one it replaced (the oracle of
-tests/distributed/test_logprobs.py), patched into the actor.
+state), and the peak of a second update (VmHWM reset just before it). Variants: `fused` (the
+default: the LM head multiplied inside the log-prob, model.fused_output_logprobs), `new` (the
+chunked, recomputing log-prob on the model's logits) and `old` (the function it replaced, the
+oracle of tests/distributed/test_logprobs.py, patched into the actor).
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float, out) -> None:
+def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float, mmap_kb: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0")
     os.environ.update(WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     import torch
+
+    from rlstack.host_memory import set_mmap_threshold
+
+    set_mmap_threshold(mmap_kb)  # as the trainer does (parallel.host_mmap_threshold_kb)
 
     from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.parallel import init_distributed
@@ -55,7 +60,13 @@ def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float,
         actor_mod.vocab_parallel_logprobs = old
     row = {"impl": impl, "runtime": _rss() / MIB}
     groups = init_distributed(1, 1, backend="gloo")
-    role = MegatronRole(resolve_model_path("default"), groups, torch.float32, optim=OptimSettings(lr=1e-6))
+    role = MegatronRole(
+        resolve_model_path("default"),
+        groups,
+        torch.float32,
+        optim=OptimSettings(lr=1e-6),
+        fused_output=impl == "fused",
+    )
     row["built"] = _rss() / MIB
     actor = actor_mod.Actor(role, AlgorithmConfig(use_kl_loss=False), temperature=temperature)
     mini = _batch(seqs, seq_len, role.args.vocab_size)
@@ -100,11 +111,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=100)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.5)
+    ap.add_argument("--mmap-threshold-kb", type=int, default=256, help="glibc's mmap threshold (0: glibc's own)")
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
-    for impl in ("old", "new"):
+    for impl in ("old", "new", "fused"):
         q = ctx.Queue()
-        p = ctx.Process(target=_variant, args=(impl, a.seqs, a.seq_len, a.micro, a.temperature, q))
+        p = ctx.Process(target=_variant, args=(impl, a.seqs, a.seq_len, a.micro, a.temperature, a.mmap_threshold_kb, q))
         p.start()
         row = q.get()
         p.join()

@@ -41,13 +41,8 @@ def vocab_parallel_logprobs(
     logprob[b, t] = log p(targets[b, t]) under softmax(logits[b, t] / temperature); entropy of the
     same distribution. Gradients flow to `logits` (their dtype).
     """
-    assert temperature > 0, "temperature must be positive (config checks it)"
     shard = logits.shape[-1]
-    start = tp_rank * shard
-    real = max(0, min(shard, vocab_size - start))  # real (unpadded) columns in this shard
-    chunk = max(1, chunk_elems // max(real, 1))
-    reduce = _Reducer(tp_group, tp_size)
-    lead = logits.shape[:-1]
+    start, real, chunk = _shard_layout(shard, tp_rank, vocab_size, chunk_elems, temperature)
     logprob, entropy = _VocabParallelLogprob.apply(
         logits.reshape(-1, shard),  # a view: megatron's output is contiguous
         targets.reshape(-1),
@@ -56,8 +51,21 @@ def vocab_parallel_logprobs(
         float(temperature),
         chunk,
         with_entropy,
-        reduce,
+        _Reducer(tp_group, tp_size),
     )
+    return _shaped(logprob, entropy, logits.shape[:-1], with_entropy)
+
+
+def _shard_layout(shard: int, tp_rank: int, vocab_size: int, chunk_elems: int, temperature: float):
+    """(first vocab id of this rank's shard, its real (unpadded) columns, rows per chunk)."""
+    assert temperature > 0, "temperature must be positive (config checks it)"
+    start = tp_rank * shard
+    real = max(0, min(shard, vocab_size - start))
+    return start, real, max(1, chunk_elems // max(real, 1))
+
+
+def _shaped(logprob: torch.Tensor, entropy: torch.Tensor, lead, with_entropy: bool):
+    """[N] results back to the input's leading shape: logprob, or (logprob, entropy)."""
     if not with_entropy:
         return logprob.view(lead)
     return logprob.view(lead), entropy.view(lead)
@@ -197,12 +205,7 @@ def fused_output_logprobs(
     vocab rows), targets [B, S] -> logprob [B, S] (+ entropy [B, S]), fp32: the same numbers as
     `vocab_parallel_logprobs(hidden @ weight.T, ...)`. Gradients flow to `hidden` and `weight`.
     """
-    assert temperature > 0, "temperature must be positive (config checks it)"
-    shard = weight.shape[0]
-    start = tp_rank * shard
-    real = max(0, min(shard, vocab_size - start))
-    chunk = max(1, chunk_elems // max(real, 1))
-    lead = hidden.shape[:-1]
+    start, real, chunk = _shard_layout(weight.shape[0], tp_rank, vocab_size, chunk_elems, temperature)
     logprob, entropy = _FusedOutputLogprob.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -214,9 +217,7 @@ def fused_output_logprobs(
         with_entropy,
         _Reducer(tp_group, tp_size),
     )
-    if not with_entropy:
-        return logprob.view(lead)
-    return logprob.view(lead), entropy.view(lead)
+    return _shaped(logprob, entropy, hidden.shape[:-1], with_entropy)
 
 
 class _FusedOutputLogprob(torch.autograd.Function):

@@ -133,11 +133,15 @@ def _tp2_worker(cases):
     return results
 
 
-def test_tp2_equals_reference():
-    per_rank = run_distributed(_tp2_worker, 2, CASES, timeout=120)
+def _assert_tp2_close(worker) -> None:
+    per_rank = run_distributed(worker, 2, CASES, timeout=120)
     for rank, results in enumerate(per_rank):
         for case, diffs in zip(CASES, results):
             assert max(diffs) < 1e-6, (rank, case, diffs)
+
+
+def test_tp2_equals_reference():
+    _assert_tp2_close(_tp2_worker)
 
 
 def test_matches_log_softmax():
@@ -219,10 +223,7 @@ def _fused_tp2_worker(cases):
 
 
 def test_fused_output_tp2_equals_unfused():
-    per_rank = run_distributed(_fused_tp2_worker, 2, CASES, timeout=120)
-    for rank, results in enumerate(per_rank):
-        for case, diffs in zip(CASES, results):
-            assert max(diffs) < 1e-6, (rank, case, diffs)
+    _assert_tp2_close(_fused_tp2_worker)
 
 
 def test_fused_output_matches_log_softmax_in_float64():

@@ -235,3 +235,12 @@ def test_config_hint_knows_verl_names(override, names):
 def test_verl_kl_value_names_are_accepted():
     cfg = load_config(None, ["data.synthetic=arith", "algorithm.kl_loss_type=low_var_kl", "algorithm.kl_penalty=kl"])
     assert cfg.algorithm.kl_loss_type == "low_var_kl"
+
+
+def test_fused_kernels_flag_maps_to_the_fused_lm_head():
+    from rlstack import from_verl
+
+    on = from_verl.translate({"actor_rollout_ref.model.use_fused_kernels": True})
+    off = from_verl.translate({"actor_rollout_ref.model.use_fused_kernels": False})
+    assert on.values["model.fused_output_logprobs"] is True
+    assert off.values["model.fused_output_logprobs"] is False
