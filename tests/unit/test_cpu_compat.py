@@ -97,3 +97,23 @@ def test_swiglu_kernels_run_eagerly():
     y = f.bias_swiglu_impl(x, None)
     gate, up = x.detach().chunk(2, -1)
     torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up)
+
+
+def test_swiglu_backward_equals_autograd_of_the_plain_formula():
+    """(i): the one-temporary eager kernels against autograd of silu(y1) * y2 (relative 1e-6), and
+    megatron's fused Function (bias and no bias) routes through them."""
+    from megatron.core.fusions import fused_bias_swiglu as f
+
+    assert f.swiglu is cpu_compat.eager_swiglu and f.swiglu_back is cpu_compat.eager_swiglu_back
+    gen = torch.Generator().manual_seed(0)
+    y = (torch.randn(64, 2 * 48, generator=gen) * 3).requires_grad_(True)
+    g = torch.randn(64, 48, generator=gen)
+    gate, up = y.chunk(2, -1)
+    (torch.nn.functional.silu(gate) * up * g).sum().backward()
+    expected = y.grad.clone()
+    for bias in (None, torch.zeros(2 * 48)):
+        x = y.detach().clone().requires_grad_(True)
+        out = f.bias_swiglu_impl(x, bias)
+        (out * g).sum().backward()
+        assert float((x.grad - expected).abs().max() / expected.abs().max()) < 1e-6
+        assert float((out - torch.nn.functional.silu(gate) * up).abs().max()) < 1e-6
