@@ -264,7 +264,7 @@ class _EnterTensorParallel(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         if ctx.group is not None and ctx.group.size() > 1:
-            torch.distributed.all_reduce(grad, group=ctx.group)
+            collectives.all_reduce_(grad, ctx.group, grad.device)
         return grad, None
 
 
