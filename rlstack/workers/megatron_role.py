@@ -252,7 +252,7 @@ class _EnterTensorParallel(torch.autograd.Function):
 
     Not megatron's `copy_to_tensor_model_parallel_region`: in megatron-core 0.16.1 its `_reduce`
     all-reduces `grad.contiguous()` and returns `grad`, so a non-contiguous gradient (here: a
-    transposed one) comes back unreduced (docs/megatron.md).
+    transposed one) comes back unreduced (docs/megatron_core.md).
     """
 
     @staticmethod
