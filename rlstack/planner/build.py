@@ -82,7 +82,7 @@ def plan_for_config(
     shape = shape_of(args, dims.tp, dims.ep)
     if fused_attention is None:  # SDPA core attention (megatron_bridge/sdpa_attention.py) or TE's
         fused_attention = True
-    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
+    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention, device)
     budget = int(gpu_memory_gib * GIB)
     stage, items, kv = _most_loaded_stage(cfg, dims, shape, setting, device, budget)
     plan = Plan(
@@ -129,7 +129,7 @@ def _dims(cfg, world_size: int, args):
     return dims
 
 
-def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: bool) -> Setting:
+def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: bool, device: str = "gpu") -> Setting:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     param_bytes = 4 if cfg.model.dtype == "float32" else 2
     seq_len = d.max_prompt_length + r.max_new_tokens
@@ -149,6 +149,7 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
         max_model_len=r.max_model_len or min(max_position_embeddings, seq_len),
         fused_attention=fused_attention,
         fused_output=getattr(cfg.model, "fused_output_logprobs", False),
+        lean_norm=device == "cpu" and param_bytes == 4,
         has_critic=a.name == "ppo",
         has_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
@@ -175,7 +176,7 @@ def _most_loaded_stage(cfg, dims, shape, setting, device, budget):
 
 
 def _peak(cfg, dims, shape, args, device, budget, fused_attention) -> int:
-    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
+    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention, device)
     _, items, _ = _most_loaded_stage(cfg, dims, shape, setting, device, budget)
     return peak_of(items)
 
@@ -212,7 +213,7 @@ def offload_changes(cfg) -> dict:
 
 def suggest_fix(cfg, dims, shape, args, device, budget, fused_attention) -> tuple[list[str], int]:
     """The shortest prefix of `candidate_changes` that fits, as key=value overrides ([] if none)."""
-    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention)
+    setting = derive_setting(cfg, dims, args.max_position_embeddings, fused_attention, device)
     _, _, kv = _most_loaded_stage(cfg, dims, shape, setting, device, budget)
     applied, current = {}, cfg
     for change in candidate_changes(cfg, kv, dims, device):

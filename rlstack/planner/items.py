@@ -77,6 +77,7 @@ class Setting:
     max_model_len: int
     fused_attention: bool
     fused_output: bool  # model.fused_output_logprobs: no [tokens, vocab] logits
+    lean_norm: bool  # fp32 on CPU: megatron_bridge.cpu_compat's LeanRMSNorm (no normalised copy kept)
     has_critic: bool
     has_reference: bool
     needs_old_logprob: bool
@@ -137,7 +138,7 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
     recompute = cfg.model.gradient_checkpointing
     mb, tp, e = s.train_mb, dims.tp, s.param_bytes
     train = m.training_activation_bytes(
-        shape, tp, dims.pp, mb, e, s.fused_attention, recompute, s.in_flight if stage == 0 else 1
+        shape, tp, dims.pp, mb, e, s.fused_attention, recompute, s.in_flight if stage == 0 else 1, s.lean_norm
     )
     scores = value_head or s.needs_old_logprob
     fwd = m.forward_only_bytes(shape, tp, mb, e, s.fused_attention) if scores else 0

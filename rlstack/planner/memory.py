@@ -157,7 +157,9 @@ class Tokens:
         return self.batch * self.seq_len
 
 
-def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool) -> int:
+def layer_activation_bytes(
+    s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool, lean_norm: bool = False
+) -> int:
     """Tensors one layer saves for backward, for one micro-batch (no sequence parallel).
 
     Per token: two RMSNorms (input and normalised output kept: 2h each), the qkv and fc1 linear
@@ -166,11 +168,14 @@ def layer_activation_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_
     output (2f) and the product fed to fc2 (f), recomputing silu in backward. Unfused attention
     (megatron's DotProductAttention) also keeps the fp32 softmax [b, heads/t, s, s] (plus its cast
     to bf16/fp16); fused attention (rlstack's SDPA core attention in the local spec, TE's on a GPU
-    with Transformer Engine) keeps only its output and a log-sum-exp per row.
+    with Transformer Engine) keeps only its output and a log-sum-exp per row. torch's RMSNorm also
+    keeps its normalised input (h per norm); `lean_norm` (megatron_bridge.cpu_compat's LeanRMSNorm,
+    fp32 on CPU) keeps only the input and rstd.
     """
     kv = s.kv_size if fused_attention else s.q_size
     per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 3 * s.active_ffn // tp) * act_bytes
-    per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
+    if not lean_norm:
+        per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
     if s.num_experts:  # MoE: each token's top-k copies permuted to its experts and back (2 x k x h)
         per_token += 2 * s.moe_topk * s.hidden_size * act_bytes
     total = per_token * mb.count
@@ -186,7 +191,15 @@ def attention_scores_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int) -> int
 
 
 def training_activation_bytes(
-    s: Shape, tp: int, pp: int, mb: Tokens, act_bytes: int, fused_attention: bool, recompute: bool, in_flight: int
+    s: Shape,
+    tp: int,
+    pp: int,
+    mb: Tokens,
+    act_bytes: int,
+    fused_attention: bool,
+    recompute: bool,
+    in_flight: int,
+    lean_norm: bool = False,
 ) -> int:
     """Activations a pipeline stage holds at the peak of backward.
 
@@ -196,7 +209,7 @@ def training_activation_bytes(
     micro-batches alive on the first stage. The embedding output and final norm add a few [s, b, h].
     """
     layers = s.num_layers // pp
-    one_layer = layer_activation_bytes(s, tp, mb, act_bytes, fused_attention)
+    one_layer = layer_activation_bytes(s, tp, mb, act_bytes, fused_attention, lean_norm)
     hidden = mb.count * s.hidden_size * act_bytes  # one [s, b, h]
     if recompute:
         per_micro_batch = layers * hidden + one_layer

@@ -117,3 +117,55 @@ def test_swiglu_backward_equals_autograd_of_the_plain_formula():
         (out * g).sum().backward()
         assert float((x.grad - expected).abs().max() / expected.abs().max()) < 1e-6
         assert float((out - torch.nn.functional.silu(gate) * up).abs().max()) < 1e-6
+
+
+def test_lean_rmsnorm_is_megatrons_norm_and_matches_float64():
+    """(j): WrappedTorchNorm builds LeanRMSNorm (same state dict); its forward is torch's fp32 rms_norm
+    bit for bit, its gradients match float64 autograd within 1e-6 relative; other dtypes fall back."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=4, normalization="RMSNorm")
+    norm = WrappedTorchNorm(config=config, hidden_size=48, eps=1e-5)
+    assert type(norm) is cpu_compat.LeanRMSNorm and isinstance(norm, torch.nn.RMSNorm)
+    assert list(norm.state_dict()) == ["weight"]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=gen))
+    x = (torch.randn(5, 7, 48, generator=gen) * 3).requires_grad_(True)
+    g = torch.randn(5, 7, 48, generator=gen)
+    y = norm(x)
+    assert y.grad_fn.name().endswith("_LeanRMSNormFunctionBackward")
+    assert torch.equal(y, torch.nn.functional.rms_norm(x, [48], norm.weight, 1e-5))
+    y.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(True), norm.weight.detach().double().requires_grad_(True)
+    torch.nn.functional.rms_norm(x64, [48], w64, 1e-5).backward(g.double())
+    for got, want in ((x.grad, x64.grad), (norm.weight.grad, w64.grad)):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    assert "Lean" not in norm(x.detach().double()).grad_fn.name()  # not fp32: torch's own forward
+
+
+def test_lean_rope_matches_megatrons_rope_in_float64():
+    """(k): megatron's unfused RoPE routes fp32 through _LeanRope; value and gradient equal the original
+    formula run in float64 within 1e-6 relative, on a strided q view as attention passes it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    assert getattr(rope, "_rlstack_lean", False)
+    original = rope.__wrapped__
+    gen = torch.Generator().manual_seed(0)
+    freqs = torch.randn(11, 1, 1, 16, generator=gen)
+    mixed = torch.randn(11, 3, 4, 2 * 16, generator=gen)
+    q = mixed[..., :16].requires_grad_(False)  # a strided view, as split from the fused qkv
+    q = q.detach().requires_grad_(True)
+    g = torch.randn(11, 3, 4, 16, generator=gen)
+    out = rope(q, freqs, mscale=0.7)
+    assert out.grad_fn.name().endswith("_LeanRopeBackward")
+    out.backward(g)
+    q64 = q.detach().double().requires_grad_(True)
+    want = original(q64, freqs.double(), mscale=0.7)
+    want.backward(g.double())
+    assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-6
+    assert float((q.grad.double() - q64.grad).abs().max() / q64.grad.abs().max()) < 1e-6
+    interleaved = rope(q.detach(), freqs, rotary_interleaved=True)  # not the lean path: the original's
+    assert torch.equal(interleaved, original(q.detach(), freqs, rotary_interleaved=True))

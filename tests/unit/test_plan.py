@@ -64,6 +64,8 @@ def test_activations_with_and_without_recompute():
     # fused attention, per token: (4h + 2q + 2kv + 3f (fused SwiGLU)) x 2 bytes + 2h x 2
     # = (32 + 24 + 48) x 2 + 32 = 240
     assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=True) == 240 * 8
+    # LeanRMSNorm (fp32 on CPU) keeps no normalised copy: 2h x 2 bytes less per token
+    assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=True, lean_norm=True) == (240 - 32) * 8
     # unfused: k, v repeated to every head (kv = q = 8): 256 per token, + softmax 2 x 2 x 4 x 4 x (4 + 2)
     assert m.layer_activation_bytes(S, 1, mb, 2, fused_attention=False) == 256 * 8 + 384
     hidden = 8 * 8 * 2  # one [s, b, h] in bf16
