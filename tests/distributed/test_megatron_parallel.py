@@ -68,7 +68,11 @@ def _train_one_step(hf_dir: str, tp: int, pp: int, use_dist_opt: bool, optimizer
     weights = gather_hf_state_dict(role.module, role.args, g)
     if g.rank != 0:
         return None
-    return {"loss": loss, "grads": grads, "weights": weights, "grad_norm": float(grad_norm)}
+    groups = [
+        group for opt in getattr(role.optimizer, "chained_optimizers", [role.optimizer]) for group in opt.param_groups
+    ]
+    fused_adam = optimizer == "adam" and all(group.get("fused") for group in groups)
+    return {"loss": loss, "grads": grads, "weights": weights, "grad_norm": float(grad_norm), "fused_adam": fused_adam}
 
 
 def _gathered_grads(role, g):
@@ -120,6 +124,7 @@ def test_dp2_distributed_optimizer_adam_equals_full_batch(tiny_llama):
     # grads are reduce-scattered: each rank's buffer is exact only on its own shard, so compare
     # the loss and the updated (all-gathered) weights
     _assert_close(sharded, single, kinds=("weights",))
+    assert single["fused_adam"] and sharded["fused_adam"]  # torch's fused CPU kernel (megatron_role)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
