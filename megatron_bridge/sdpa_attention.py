@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -35,12 +36,27 @@ def sdpa_core_attention(query: Tensor, key: Tensor, value: Tensor, scale: float,
     """
     sq, b, nq, d = query.shape
     # [s, b, n, d] -> [b, n, s, d]: strided views, SDPA's CPU flash kernel and the GPU kernels take them
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    q, k, v = (_own_storage(t).permute(1, 2, 0, 3) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         q, k, v, dropout_p=0.0, is_causal=causal, scale=scale, enable_gqa=k.size(1) != nq
     )
     # [b, nq, sq, d] -> [sq, b, nq * d]
     return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """`t`, or a compact copy of it when it is a view into a larger tensor.
+
+    megatron splits the fused qkv output into q, k and v views (transformer/attention.py
+    `get_query_key_value_tensors`); RoPE makes q and k new tensors, but v stays a view, and SDPA
+    keeping v for backward keeps the whole [s, b, (nq + 2 nkv) d] qkv output alive, pre-RoPE q and
+    k included, until the layer's backward (SmolLM2: 960 elements a token and layer kept for
+    v's 192). A copy of v costs its size once and frees the rest. Without autograd nothing is kept,
+    and nothing is copied.
+    """
+    if t.requires_grad and torch.is_grad_enabled() and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
 
 
 class SDPADotProductAttention(MegatronModule):

@@ -202,3 +202,29 @@ def test_fused_weighted_swiglu_equals_eager(dtype, atol):
     for name, f, e in zip(("out", "dx", "dprobs"), *outs):
         bound = atol * max(1.0, e.abs().max().item())
         assert (f - e).abs().max().item() <= bound, name
+
+
+def test_views_of_the_fused_qkv_output_are_not_kept():
+    """megatron hands core attention q, k, v as views of one fused qkv output; what SDPA keeps for
+    backward must not keep that whole tensor alive (v is copied out of it), and values are unchanged."""
+    from megatron_bridge.sdpa_attention import sdpa_core_attention
+
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.randn(37, 3, 3, (3 + 2) * 64, generator=gen).to(DEVICE).requires_grad_()  # [s, b, g, (q/g + 2) d]
+    q, k, v = torch.split(mixed, [3 * 64, 64, 64], dim=-1)
+    q = q.reshape(37, 3, 9, 64) * 1.0  # RoPE's output is a new tensor; v stays a view
+    k = k * 1.0
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sdpa_core_attention(q, k, v, 0.125, True)
+    assert mixed.untyped_storage().data_ptr() not in saved
+    qr, kr, vr = (t.detach().permute(1, 2, 0, 3) for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=0.125, enable_gqa=True)
+    assert torch.equal(out.detach(), want.permute(2, 0, 1, 3).reshape(37, 3, 9 * 64))
+    out.sum().backward()
+    assert mixed.grad is not None and mixed.grad.abs().sum() > 0
