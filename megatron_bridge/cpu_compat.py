@@ -1,9 +1,11 @@
-"""The few patches megatron-core 0.16.1 needs to run on CPU + gloo.
+"""The few patches megatron-core 0.16.1 needs to run on CPU + gloo, and to run there at speed.
 
 Megatron-Core assumes CUDA in several ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
-device is present, changes only calls that would otherwise raise, and names its call sites
-(paths under `megatron/core/`, version 0.16.1). `apply()` is idempotent; `tests/unit/test_cpu_compat.py`
-checks each patch, and the distributed tests check the results against single-rank references.
+device is present and names its call sites (paths under `megatron/core/`, version 0.16.1). (a)-(h) change
+only calls that would otherwise raise (h also applies on a GPU without Transformer Engine); (i)-(k) replace
+eager CPU kernels (SwiGLU, RMSNorm, RoPE) with the same maths in fewer temporaries. `apply()` is idempotent;
+`tests/unit/test_cpu_compat.py` checks each patch, and the distributed tests check the results against
+single-rank references.
 """
 
 from __future__ import annotations
