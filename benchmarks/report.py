@@ -218,7 +218,8 @@ def what_each_side_did(results: dict) -> list[str]:
         f"gradient checkpointing {'on' if s.get('gradient_checkpointing') else 'off'} (TRL: "
         f"{'on' if trl.get('gradient_checkpointing') else 'off'}), {s['nproc'] * s['threads_per_rank']} CPU threads "
         f"in all (rlstack: {s['nproc']} ranks x {s['threads_per_rank']}{layouts}; TRL: one process x "
-        f"{trl.get('threads', '?')}). "
+        f"{trl.get('threads', '?')}), host allocator {s.get('host_allocator', 'glibc')} "
+        f"(TRL: {trl.get('host_allocator', 'glibc')}). "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
         "transformers' generate().",
         "",

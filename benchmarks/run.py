@@ -50,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each micro-benchmark")
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
+    p.add_argument(
+        "--trl-allocator",
+        choices=("same", "glibc"),
+        default="same",
+        help="TRL's host allocator: the trainer's (same; tcmalloc preloaded where rlstack uses it) or glibc",
+    )
     p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
     p.add_argument(
         "--reuse",
@@ -294,6 +300,10 @@ def run_trl(args, setup: dict, cfg, name: str = "", beta: float = 0.0) -> dict:
     if cfg.model.gradient_checkpointing:  # the same activation recompute on both sides (TRL defaults to on)
         cmd.append("--gradient-checkpointing")
     env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
+    allocator = "glibc"
+    if args.trl_allocator == "same" and setup.get("host_allocator_lib"):  # the same allocator on both sides
+        env["LD_PRELOAD"] = f"{setup['host_allocator_lib']} {env.get('LD_PRELOAD', '')}".strip()
+        allocator = setup["host_allocator"]
     r = run_sampled(
         cmd,
         os.path.join(out, "bench.log"),
@@ -306,7 +316,7 @@ def run_trl(args, setup: dict, cfg, name: str = "", beta: float = 0.0) -> dict:
     if r.returncode != 0 or not os.path.isfile(path):
         return {"error": _failure("TRL", r)}
     with open(path) as f:
-        return {**json.load(f), "memory": r.memory.as_dict()}
+        return {**json.load(f), "memory": r.memory.as_dict(), "host_allocator": allocator}
 
 
 def _failure(part: str, r) -> str:

@@ -174,6 +174,12 @@ def _timeout(cfg) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from rlstack.config import load_config
+    from rlstack.host_memory import configure_allocator, exec_with_allocator
+
+    cfg = load_config(args.config, args.overrides)
+    exec_with_allocator(cfg.parallel.host_allocator)  # the trainer's allocator (rlstack/train.py)
+    configure_allocator(cfg.parallel.host_mmap_threshold_kb)
     from megatron_bridge.parallel import destroy_distributed
 
     try:

@@ -16,7 +16,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     from rlstack import host_memory
 
     _set_threads(cfg.parallel.threads_per_rank)
-    host_memory.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb)
+    host_memory.configure_allocator(cfg.parallel.host_mmap_threshold_kb)
     _quiet_dependency_warnings()
     p = cfg.parallel
     if cfg.placement.rollout_ranks > 0:
@@ -134,6 +134,7 @@ def _seed_all(seed: int) -> None:
 
 
 def _start(cfg, groups, config_yaml: str, placement=None):
+    from rlstack import host_memory
     from rlstack.observability.logging import setup_logging
     from rlstack.observability.trackers import build_trackers
     from rlstack.trainer import build_trainer
@@ -154,6 +155,7 @@ def _start(cfg, groups, config_yaml: str, placement=None):
         groups.dims.world_size,
         "nccl" if groups.device.type == "cuda" else "gloo",
     )
+    log.info(host_memory.describe_allocator(cfg.parallel.host_allocator, cfg.parallel.host_mmap_threshold_kb))
     trainer = build_trainer(cfg, groups, placement)
     from rlstack.config import to_dict
 

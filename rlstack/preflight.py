@@ -28,6 +28,7 @@ class Preflight:
 
 def preflight(cfg, world_size: int) -> Preflight:
     """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise."""
+    from rlstack import host_memory
     from rlstack.parallel import check_layout
 
     for key in ("model.path", "model.critic_path", "reward_model.path"):
@@ -35,6 +36,7 @@ def preflight(cfg, world_size: int) -> Preflight:
     if cfg.reward_model.path:
         check_reward_model_dir(cfg.reward_model.path)
     dims = check_layout(cfg, world_size)
+    host_memory.wanted_allocator(cfg.parallel.host_allocator)  # tcmalloc asked for and not installed
     sources = check_data(cfg)
     check_reward(cfg, sources)
     resume_from = check_output_dir(cfg)

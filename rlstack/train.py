@@ -38,6 +38,10 @@ def _run(args, rank: int) -> int:
     from rlstack.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
+    if not args.validate_only and __name__ == "__main__":  # the program itself, before torch and threads exist:
+        from rlstack.host_memory import exec_with_allocator  # the rank restarts itself on tcmalloc
+
+        exec_with_allocator(cfg.parallel.host_allocator)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or _default_world(cfg)
     found = preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
     if args.validate_only:

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from rlstack.host_memory import find_tcmalloc
 from tests.e2e.runs import NUMERIC_KEYS, ROOT, read_metrics, torchrun_train, train_steps
 
 pytestmark = pytest.mark.slow
@@ -136,3 +137,19 @@ def test_trackers_plot_and_memory_warning(tmp_path):
     subprocess.run([sys.executable, "-m", "rlstack.plot", out], cwd=ROOT, check=True, capture_output=True)
     pngs = glob.glob(os.path.join(out, "**", "*.png"), recursive=True)
     assert any("reward" in os.path.basename(p) for p in pngs), pngs
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="libtcmalloc is not installed here")
+def test_tcmalloc_ranks_compute_what_glibc_ranks_do(tmp_path):
+    """parallel.host_allocator: the default preloads tcmalloc on CPU; the numbers are glibc's, bit for bit."""
+    runs = {}
+    for allocator in ("auto", "glibc"):
+        out = str(tmp_path / allocator)
+        proc = torchrun_train(
+            out, ["trainer.total_steps=2", "trainer.deterministic=true", f"parallel.host_allocator={allocator}"]
+        )
+        runs[allocator] = train_steps(read_metrics(out))
+        expected = "tcmalloc" if allocator == "auto" else "glibc"
+        assert f"host allocator: {expected}" in proc.stdout + proc.stderr
+    for a, b in zip(runs["auto"], runs["glibc"]):
+        assert {k: a[k] for k in NUMERIC_KEYS if k in a} == {k: b[k] for k in NUMERIC_KEYS if k in b}
