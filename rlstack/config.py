@@ -61,9 +61,10 @@ class ParallelConfig:
     # 0 -> 20.5 s, peak 4.8-5.2 GiB). The heap is trimmed at every phase either way. docs/memory.md.
     host_mmap_threshold_kb: int = 256
     # the host allocator: auto (tcmalloc where installed and no NVIDIA GPU is present, else glibc) |
-    # tcmalloc (required: the rank re-executes itself with it preloaded) | glibc. tcmalloc reuses freed
-    # tensors without page faults or heap fragmentation (SmolLM2 update, one rank: 25-27 s vs glibc's
-    # 31-37 s, the same 3.6 GiB peak). Install: apt-get install libtcmalloc-minimal4. docs/memory.md.
+    # tcmalloc (required: the rank re-executes itself with it preloaded) | glibc (the lean setting, with
+    # host_mmap_threshold_kb). tcmalloc keeps freed memory for reuse, without page faults: SmolLM2 demo
+    # step 37.5-38.8 s vs glibc's 43.7-48.4 s, peak 3.57 vs 3.21 GiB a rank. Install: apt-get install
+    # libtcmalloc-minimal4 (make install tries). docs/memory.md.
     host_allocator: str = "auto"
 
 

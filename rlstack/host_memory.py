@@ -2,14 +2,14 @@
 
 Tensors on CPU come from the process's malloc. `parallel.host_allocator` (docs/memory.md) picks it:
 `tcmalloc` (gperftools' libtcmalloc_minimal, preloaded by re-executing the rank at start) keeps
-freed spans and hands them to the next tensor of a size class, so an update neither page-faults
-every new activation in nor fragments a heap: SmolLM2's update on one rank took 25-27 s at a 3.6
-GiB peak, against 31-37 s at 3.55 GiB with glibc's fixed threshold (the same machine, back to
-back). vLLM's CPU backend asks for the same library. With `glibc`: `parallel.host_mmap_threshold_kb` (docs/memory.md) trades
+freed spans and hands them to the next tensor that fits, so neither the update nor the rollout
+page-faults every new tensor in: the SmolLM2 demo step took 37.5-38.8 s at a 3.57 GiB peak a rank,
+against 43.7-48.4 s at 3.21 GiB with glibc's fixed threshold (the same machine, one after the other).
+vLLM's CPU backend asks for the same library. With `glibc`, `parallel.host_mmap_threshold_kb` trades
 speed for memory: with a fixed threshold each larger tensor is mapped on its own and unmapped on
 free (resident memory follows live tensors; every new page is a fault), with glibc's dynamic one
 they come from the heap (reused without faults, but freed pages stay resident and fragment).
-`trim_heap` at each phase of a step returns the heap's free pages in both modes.
+`trim_heap` at each phase of a step returns glibc's free heap pages in both modes.
 """
 
 from __future__ import annotations
@@ -59,15 +59,18 @@ def set_mmap_threshold(kb: int) -> bool:
 
 
 def trim_heap() -> bool:
-    """`malloc_trim(0)`: give the heap's free pages back to the kernel (True when some were).
+    """`malloc_trim(0)` at a phase boundary: glibc's free heap pages back to the kernel (True when some were).
 
     With glibc's dynamic threshold the update's freed activations stay resident until trimmed
     (SmolLM2, one rank: 4.4 GiB between updates untrimmed, 1.9 GiB trimmed); with a fixed threshold
     there is little to give back. It costs milliseconds, and the next phase faults its pages in.
-    Under tcmalloc it frees nothing, on purpose: handing tcmalloc's free spans back between updates
-    (`MallocExtension_ReleaseFreeMemory`) made the next update fault them in again (25-27 -> 29-30 s)
-    for no lower peak (3.56 vs 3.59 GiB).
+    Under tcmalloc nothing is handed back, on purpose (its background release is off too,
+    TCMALLOC_RELEASE_RATE=0): on these VMs a page fault is dear, and releasing tcmalloc's free spans
+    at each phase (`MallocExtension_ReleaseFreeMemory`) gave back glibc's step time (SmolLM2 demo
+    step 43-46 s vs 37-39 s) for 0.3 GiB less peak per rank (docs/memory.md).
     """
+    if loaded_allocator() == "tcmalloc":
+        return False
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
@@ -84,6 +87,7 @@ def find_tcmalloc() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def loaded_allocator() -> str:
     """ "tcmalloc" when this process runs on tcmalloc (mapped, hence preloaded), else "glibc"."""
     try:
@@ -129,6 +133,7 @@ def exec_with_allocator(choice: str) -> None:
         return
     preload = os.environ.get("LD_PRELOAD", "")
     env = {**os.environ, _EXEC_MARK: "1", "LD_PRELOAD": f"{path} {preload}".strip()}
+    env.setdefault("TCMALLOC_RELEASE_RATE", "0")  # freed spans stay for reuse (trim_heap: why)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)

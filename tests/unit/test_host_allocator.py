@@ -20,6 +20,9 @@ from rlstack.host_memory import exec_with_allocator, loaded_allocator
 print("start", flush=True)
 exec_with_allocator(sys.argv[1])
 print(loaded_allocator(), os.environ.get("RLSTACK_HOST_ALLOCATOR_EXEC", "-"), sys.argv[1:])
+print("release rate", os.environ.get("TCMALLOC_RELEASE_RATE", "-"))
+from rlstack.host_memory import trim_heap
+print("trim", trim_heap())
 """
 
 
@@ -28,6 +31,7 @@ def _probe(choice: str, env=None) -> list[str]:
 
     env = {**os.environ, **(env or {})}
     env.pop("LD_PRELOAD", None)
+    env.pop("TCMALLOC_RELEASE_RATE", None)
     out = subprocess.run([sys.executable, "-c", PROBE, choice, "x=1"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.split("\n")
@@ -69,12 +73,16 @@ def test_auto_takes_tcmalloc_on_cpu_hosts_only():
 @needs_tcmalloc
 def test_the_rank_reexecutes_once_onto_tcmalloc_with_its_arguments():
     lines = _probe("tcmalloc")
-    # "start" twice: the first process replaced itself; then tcmalloc is mapped, arguments kept.
-    assert lines[:3] == ["start", "start", "tcmalloc 1 ['tcmalloc', 'x=1']"], lines
+    # "start" twice: the first process replaced itself; then tcmalloc is mapped, arguments kept,
+    # and its background release is off (freed spans stay for reuse: host_memory.trim_heap).
+    want = ["start", "start", "tcmalloc 1 ['tcmalloc', 'x=1']", "release rate 0", "trim False"]
+    assert lines[:5] == want, lines
 
 
 def test_glibc_does_not_reexecute():
-    assert _probe("glibc")[:2] == ["start", "glibc - ['glibc', 'x=1']"]
+    lines = _probe("glibc")
+    assert lines[:3] == ["start", "glibc - ['glibc', 'x=1']", "release rate -"], lines
+    assert lines[3] in ("trim True", "trim False")  # malloc_trim: whether this small process had pages to give
 
 
 @needs_tcmalloc
