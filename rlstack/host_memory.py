@@ -21,9 +21,10 @@ import os
 import sys
 from typing import Optional
 
+from rlstack.config import CHOICES
 from rlstack.errors import UserError
 
-ALLOCATORS = ("auto", "tcmalloc", "glibc")
+ALLOCATORS = CHOICES["parallel.host_allocator"]  # the config's own list: auto | tcmalloc | glibc
 # The preload is done once: the re-executed rank finds this set and never execs again.
 _EXEC_MARK = "RLSTACK_HOST_ALLOCATOR_EXEC"
 # A path to the library, where it is not on the loader's search path.
