@@ -11,7 +11,14 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
+from benchmarks.flops import (
+    ModelDims,
+    StepShape,
+    actor_flops_per_token,
+    decode_flops_per_token,
+    flops_per_token,
+    step_flops,
+)
 
 STAGE_KEYS = ("timing/sync_s", "timing/rollout_s", "timing/score_s", "timing/update_s")
 # Rank 0's peak memory in each phase of a step (the trainer's PhaseMemory), host and GPU.
@@ -129,9 +136,9 @@ def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], 
     decode_ceiling = decode_rate / decode_flops_per_token(dims, shape.prompt_len + shape.response_len / 2)
     out = {
         "ceiling/decode_tok_s": decode_ceiling,
-        "ceiling/actor_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params),
+        "ceiling/actor_fwd_tok_s": train_rate / actor_flops_per_token(dims, shape),
         "ceiling/critic_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params),
-        "ceiling/actor_train_tok_s": train_rate / flops_per_token(dims, seq, dims.matmul_params, train=True),
+        "ceiling/actor_train_tok_s": train_rate / actor_flops_per_token(dims, shape, train=True),
         "ceiling/critic_train_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params, train=True),
     }
     st = results.get("stages", {})

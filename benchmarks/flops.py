@@ -4,7 +4,10 @@ Conventions (docs/benchmarks.md has the derivation):
 - P = parameters that take part in matmuls: per layer QKV, attention output, gate/up, down; plus the
   LM head (vocab x hidden, counted even when tied: the logits are a matmul). The embedding lookup and
   the norms are not matmuls and are not counted.
-- A forward over T tokens costs 2*P*T; forward+backward 6*P*T (backward = 2x forward).
+- A forward over T tokens costs 2*P*T; forward+backward 6*P*T (backward = 2x forward). The actor's
+  (and the reference's) LM head counts only at the positions that score a response token: the only
+  log-probs a step reads, and the only ones rlstack computes (rlstack/workers/actor.py
+  `read_positions`; TRL's `logits_to_keep` does the same).
 - Causal attention over a sequence of s tokens adds, per layer, 2 FLOPs for each (query, key) pair
   j <= i for both Q.K^T and A.V: 2 * 2 * s(s+1)/2 * heads * head_dim (x3 with backward).
 - Generation counts each prompt's prefill once per prompt (the floor: n samples can share it), then
@@ -67,6 +70,11 @@ class ModelDims:
         return self.vocab * self.hidden
 
     @property
+    def body_matmul_params(self) -> int:
+        """P without the LM head: the layers' matmuls."""
+        return self.layers * self.layer_params
+
+    @property
     def matmul_params(self) -> int:
         """P of the module docstring (LM head included)."""
         return self.layers * self.layer_params + self.lm_head_params
@@ -116,9 +124,16 @@ class StepShape:
         return self.num_sequences * self.response_len
 
 
-def forward_flops(dims: ModelDims, shape: StepShape, params: int) -> float:
-    """One forward over every sequence of the step (prompt + response tokens)."""
-    return shape.num_sequences * (2.0 * params * shape.seq_len + dims.attention_flops(shape.seq_len))
+def forward_flops(dims: ModelDims, shape: StepShape, params: int, head_params: int = 0) -> float:
+    """One forward over every sequence of the step: `params` at every token (prompt + response),
+    `head_params` only at the positions that score a response token."""
+    per_seq = 2.0 * params * shape.seq_len + 2.0 * head_params * shape.response_len
+    return shape.num_sequences * (per_seq + dims.attention_flops(shape.seq_len))
+
+
+def actor_forward_flops(dims: ModelDims, shape: StepShape) -> float:
+    """The actor's (or reference's) log-prob forward: the layers at every token, the LM head at response ones."""
+    return forward_flops(dims, shape, dims.body_matmul_params, dims.lm_head_params)
 
 
 def generation_flops(dims: ModelDims, shape: StepShape) -> float:
@@ -132,7 +147,7 @@ def generation_flops(dims: ModelDims, shape: StepShape) -> float:
 def step_flops(dims: ModelDims, shape: StepShape) -> dict[str, float]:
     """FLOPs of each pass of one step, and their total ("total")."""
     out = {"generation": generation_flops(dims, shape)}
-    actor_fwd = forward_flops(dims, shape, dims.matmul_params)
+    actor_fwd = actor_forward_flops(dims, shape)
     if shape.old_logprob_forward:
         out["old_logprob"] = actor_fwd
     if shape.ref_forward:
@@ -149,6 +164,13 @@ def step_flops(dims: ModelDims, shape: StepShape) -> dict[str, float]:
 def flops_per_token(dims: ModelDims, seq_len: float, params: int, train: bool = False) -> float:
     """Forward (or forward+backward) FLOPs per token of sequences of length seq_len."""
     per_token = 2.0 * params + dims.attention_flops(seq_len) / max(seq_len, 1.0)
+    return 3.0 * per_token if train else per_token
+
+
+def actor_flops_per_token(dims: ModelDims, shape: StepShape, train: bool = False) -> float:
+    """The actor's forward (or forward+backward) FLOPs per token (prompt + response) of the step's
+    sequences: the LM head's share spread over all tokens."""
+    per_token = actor_forward_flops(dims, shape) / max(shape.train_tokens, 1.0)
     return 3.0 * per_token if train else per_token
 
 

@@ -24,27 +24,52 @@ def token_logprobs(
     -> token-aligned logprob [b, S] (+ entropy [b, S]).
 
     Log-probs are of the distribution the rollout sampled from (logits / temperature), as in verl,
-    so the importance ratio compares like with like.
+    so the importance ratio compares like with like. When the micro-batch carries `resp_mask`, only
+    the positions that score a response token are computed (`read_positions`); the others are 0.
     """
     g = role.groups
     # The temperature is applied inside, chunk by chunk: `logits.float() / T` here would be a full
     # fp32 [b, S, V/tp] copy (and the autograd graph would keep it).
     if role.fused_output:  # the LM head's matmul happens inside, chunk by chunk
-        fn = functools.partial(fused_output_logprobs, logits, role.output_weight())
+        fn = functools.partial(fused_output_logprobs, weight=role.output_weight())
     else:
-        fn = functools.partial(vocab_parallel_logprobs, logits)
+        fn = vocab_parallel_logprobs
+    targets = shift_targets(mb["tokens"])  # [b, S]
+    rows = read_positions(mb["resp_mask"]) if "resp_mask" in mb else None
+    if rows is not None:  # [n, h or V/tp] and [n]: the rows whose log-prob is read
+        lead = targets.shape
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+        targets = targets.reshape(-1).index_select(0, rows)
     out = fn(
-        shift_targets(mb["tokens"]),
-        role.args.vocab_size,
-        g.tp,
-        g.tp_rank,
-        g.dims.tp,
+        logits,
+        targets=targets,
+        vocab_size=role.args.vocab_size,
+        tp_group=g.tp,
+        tp_rank=g.tp_rank,
+        tp_size=g.dims.tp,
         with_entropy=with_entropy,
         temperature=temperature,
     )
-    if with_entropy:
-        return align_to_tokens(out[0]), align_to_tokens(out[1])
-    return align_to_tokens(out)
+    out = out if with_entropy else (out,)
+    if rows is not None:
+        out = tuple(_scatter_rows(x, rows, lead) for x in out)
+    out = tuple(align_to_tokens(x) for x in out)
+    return out if with_entropy else out[0]
+
+
+def read_positions(resp_mask: torch.Tensor) -> torch.Tensor:
+    """resp_mask [b, S] -> flat indices [n] of the positions t whose log-prob is read: t scores token t+1,
+    a response token. The LM head (6 x hidden x vocab FLOPs a position with its backward, a quarter of
+    SmolLM2's) then runs on the response, not on the prompt and padding, as TRL's `logits_to_keep`.
+    Never empty (one unread position keeps the output attached to the graph)."""
+    rows = (shift_targets(resp_mask) > 0).reshape(-1).nonzero().squeeze(-1)
+    return rows if rows.numel() else rows.new_zeros(1)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
+    """values [n] at flat positions `rows` of a zero [b, S] tensor (differentiable in values)."""
+    full = values.new_zeros(shape.numel())
+    return full.index_copy(0, rows, values).view(shape)
 
 
 def compute_logprobs(
@@ -57,7 +82,9 @@ def compute_logprobs(
             "logprob": token_logprobs(role, mb, logits, temperature=temperature)
         }
 
-    mbs = role.micro_batches(rollout.tensors("tokens", "position_ids"), micro_batch_size, rollout.needed_lengths())
+    mbs = role.micro_batches(
+        rollout.tensors("tokens", "position_ids", "resp_mask"), micro_batch_size, rollout.needed_lengths()
+    )
     stats = role.run(mbs.batches, loss_fn, forward_only=True)
     out = mbs.rows(stats, "logprob") if role.groups.is_last_stage else None
     return role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)

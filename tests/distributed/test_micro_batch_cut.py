@@ -86,3 +86,61 @@ def test_cut_micro_batches_equal_uncut(tiny_llama):
     assert abs(budget["loss"] - uncut["loss"]) < 1e-5
     for name in ("actor", "critic"):
         torch.testing.assert_close(budget["weights"][name], uncut["weights"][name], atol=1e-6, rtol=0)
+
+
+def _response_only(hf_dir: str):
+    """The actor with log-probs at response positions only (the default) and at every position."""
+    from megatron_bridge.parallel import init_distributed
+    from rlstack.config import AlgorithmConfig
+    from rlstack.workers import actor as actor_mod
+    from rlstack.workers import logprobs as logprobs_mod
+    from rlstack.workers.megatron_role import MegatronRole, OptimSettings
+
+    groups = init_distributed(1, 1)
+    every_position = actor_mod.read_positions
+    rows_seen = []
+    for name in ("fused_output_logprobs", "vocab_parallel_logprobs"):  # record the rows each computes
+        real = getattr(logprobs_mod, name)
+
+        def logged(x, *a, real=real, **k):
+            rows_seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+            return real(x, *a, **k)
+
+        setattr(actor_mod, name, logged)
+    out = {}
+    for fused in (True, False):
+        for only_response in (True, False):
+            actor_mod.read_positions = every_position if only_response else (lambda mask: torch.arange(mask.numel()))
+            sgd = OptimSettings(optimizer="sgd", lr=0.5, clip_grad=0.0)
+            role = MegatronRole(hf_dir, groups, torch.float32, optim=sgd, fused_output=fused)
+            rollout = _rollout(role.args.vocab_size)
+            rows_seen.clear()
+            logprob = actor_mod.compute_logprobs(role, rollout, 2, temperature=0.7)
+            rows = sum(rows_seen)
+            counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 8.0}
+            actor = actor_mod.Actor(role, AlgorithmConfig(use_kl_loss=False, entropy_coeff=0.01), temperature=0.7)
+            stats = actor.update(rollout, counts, 2)["stats"]
+            out[fused, only_response] = {
+                "logprob": logprob,
+                "mask": rollout.resp_mask > 0,
+                "rows": rows,
+                "slots": int(rollout.tokens.numel()),
+                "loss": sum(float(s["actor/loss"]) for s in stats),
+                "entropy": sum(float(s["actor/entropy_sum"]) for s in stats),
+                "weights": torch.cat([p.detach().flatten() for p in role.module.parameters()]),
+            }
+    return out
+
+
+def test_logprobs_only_at_response_positions(tiny_llama):
+    """The LM head and the log-softmax run only where a response token is scored (fused head and
+    model logits alike): the same log-probs, loss, entropy and SGD step as at every position."""
+    out = run_distributed(_response_only, 1, tiny_llama)[0]
+    for fused in (True, False):
+        some, every = out[fused, True], out[fused, False]
+        mask = some["mask"]
+        assert some["rows"] == int(mask.sum()) < every["rows"] <= every["slots"], (fused, some["rows"], every["rows"])
+        assert (some["logprob"][~mask] == 0).all()
+        torch.testing.assert_close(some["logprob"][mask], every["logprob"][mask], atol=1e-6, rtol=0)
+        assert abs(some["loss"] - every["loss"]) < 1e-6 and abs(some["entropy"] - every["entropy"]) < 1e-4
+        torch.testing.assert_close(some["weights"], every["weights"], atol=1e-6, rtol=0)

@@ -8,7 +8,14 @@ import pytest
 from benchmarks import analysis, report
 from benchmarks.ceilings import combine, model_shapes
 from benchmarks.environment import STAMP, ensure_bench_venv
-from benchmarks.flops import ModelDims, StepShape, decode_flops_per_token, flops_per_token, step_flops
+from benchmarks.flops import (
+    ModelDims,
+    StepShape,
+    actor_flops_per_token,
+    decode_flops_per_token,
+    flops_per_token,
+    step_flops,
+)
 from benchmarks.procs import MemorySampler
 
 # hidden 4, 1 layer, 2 heads of dim 2, 1 KV head, ffn 8, vocab 10:
@@ -44,10 +51,11 @@ def test_attention_flops_count_causal_pairs():
 
 def test_grpo_step_flops_by_hand():
     flops = step_flops(DIMS, SHAPE)
-    forward = 4 * (2 * 184 * 5 + 240)  # 4 sequences of 5 tokens
+    # 4 sequences of 5 tokens: the layers (144) at all 5, the LM head (40) at the 2 response positions
+    forward = 4 * (2 * 144 * 5 + 2 * 40 * 2 + 240)
     generation = 2 * (2 * 184 * 3 + 96) + 4 * (2 * 184 * 2 + 144)  # prefill once per prompt, then decode
     assert flops["generation"] == generation == 5920
-    assert flops["old_logprob"] == flops["ref_logprob"] == forward == 8320
+    assert flops["old_logprob"] == flops["ref_logprob"] == forward == 7360
     assert flops["actor_train"] == 3 * forward
     assert flops["total"] == generation + 5 * forward
     assert "critic_values" not in flops
@@ -69,6 +77,8 @@ def test_per_token_flops():
     assert flops_per_token(DIMS, 5, 184) == 2 * 184 + 240 / 5
     assert flops_per_token(DIMS, 5, 184, train=True) == 3 * (2 * 184 + 240 / 5)
     assert decode_flops_per_token(DIMS, 4) == 2 * 184 + 4 * 4 * 2 * 2
+    assert actor_flops_per_token(DIMS, SHAPE) == 7360 / 20  # 4 sequences x 5 tokens
+    assert actor_flops_per_token(DIMS, SHAPE, train=True) == 3 * 7360 / 20
 
 
 def test_model_shapes_per_rank():
@@ -175,17 +185,17 @@ def test_derive_excludes_warmup_and_computes_fractions():
     assert f["timing/step_s"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 2}
     assert f["timing/other_s"]["min"] == 0.0 and f["timing/other_s"]["max"] == 2.0
     # floor: generation at the decode ceiling, every other pass at the training ceiling
-    floor_s = 5920 / 500 + (47520 - 5920) / 1000
+    floor_s = 5920 / 500 + (42720 - 5920) / 1000  # generation + 5 actor forwards of 7360
     assert f["floor/seconds"] == pytest.approx(floor_s)
     assert f["fraction/step_floor"]["median"] == pytest.approx(floor_s / 11)
     assert f["fraction/step_floor"]["min"] == pytest.approx(floor_s / 12)
-    assert f["fraction/mfu"]["median"] == pytest.approx(47520 / 11 / 1000)
+    assert f["fraction/mfu"]["median"] == pytest.approx(42720 / 11 / 1000)
     decode_ceiling = 500 / decode_flops_per_token(DIMS, 3 + 1)
     assert f["ceiling/decode_tok_s"] == pytest.approx(decode_ceiling)
     assert f["fraction/rollout_hf"]["median"] == pytest.approx(9 / decode_ceiling)
     assert "fraction/rollout_vllm" not in f
-    assert f["fraction/actor_fwd"]["median"] == pytest.approx(20 * flops_per_token(DIMS, 5, 184) / 1000)
-    assert f["fraction/actor_train"]["median"] == pytest.approx(5 * flops_per_token(DIMS, 5, 184, True) / 1000)
+    assert f["fraction/actor_fwd"]["median"] == pytest.approx(20 * 7360 / 20 / 1000)
+    assert f["fraction/actor_train"]["median"] == pytest.approx(5 * 3 * 7360 / 20 / 1000)
     # sync: 1000 bytes in 1 s and 3 s at memcpy 100 B/s -> 10 s of memcpy; 0.1x and 0.3x that time
     assert f["sync/memcpy_multiple"]["median"] == pytest.approx(0.2)
     assert f["fraction/sync_memcpy"]["max"] == pytest.approx(10.0)
