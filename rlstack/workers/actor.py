@@ -31,7 +31,8 @@ def token_logprobs(
     # The temperature is applied inside, chunk by chunk: `logits.float() / T` here would be a full
     # fp32 [b, S, V/tp] copy (and the autograd graph would keep it).
     if role.fused_output:  # the LM head's matmul happens inside, chunk by chunk
-        fn = functools.partial(fused_output_logprobs, weight=role.output_weight())
+        main_grad = role.output_main_grad() if torch.is_grad_enabled() else None
+        fn = functools.partial(fused_output_logprobs, weight=role.output_weight(), main_grad=main_grad)
     else:
         fn = vocab_parallel_logprobs
     targets = shift_targets(mb["tokens"])  # [b, S]

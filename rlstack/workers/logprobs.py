@@ -19,6 +19,8 @@ gradients.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 CHUNK_ELEMS = 4 * 2**20  # fp32 elements of one [chunk, V/tp] temporary (16 MiB)
@@ -200,10 +202,16 @@ def fused_output_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     chunk_elems: int = FUSED_CHUNK_ELEMS,
+    main_grad: Optional[torch.Tensor] = None,
 ):
     """hidden [B, S, h] (the LM head's input, already in the TP region), weight [V/tp, h] (this rank's
     vocab rows), targets [B, S] -> logprob [B, S] (+ entropy [B, S]), fp32: the same numbers as
     `vocab_parallel_logprobs(hidden @ weight.T, ...)`. Gradients flow to `hidden` and `weight`.
+
+    `main_grad` (fp32, weight's shape: megatron DDP's grad buffer of the weight): backward adds the
+    weight's gradient into it chunk by chunk and gives autograd none, instead of a new [V/tp, h] fp32
+    tensor that the DDP hook adds there (SmolLM2: 113 MB alive at the top of backward, when every
+    activation still is).
     """
     start, real, chunk = _shard_layout(weight.shape[0], tp_rank, vocab_size, chunk_elems, temperature)
     logprob, entropy = _FusedOutputLogprob.apply(
@@ -216,6 +224,7 @@ def fused_output_logprobs(
         chunk,
         with_entropy,
         _Reducer(tp_group, tp_size),
+        main_grad,
     )
     return _shaped(logprob, entropy, hidden.shape[:-1], with_entropy)
 
@@ -226,7 +235,7 @@ class _FusedOutputLogprob(torch.autograd.Function):
     all-reduce at TP > 1, as `_VocabParallelLogprob`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, real, temperature, chunk, with_entropy, reduce):
+    def forward(ctx, hidden, weight, targets, start, real, temperature, chunk, with_entropy, reduce, main_grad):
         n = hidden.shape[0]
         w = weight[:real]  # [real, h] view: the padded vocab rows are not tokens
         local_t = targets - start
@@ -264,6 +273,7 @@ class _FusedOutputLogprob(torch.autograd.Function):
         entropy = log_z - sums[2] / sums[0] if with_entropy else None
         ctx.save_for_backward(hidden, weight, local_t, in_shard, row_max, log_z, entropy)
         ctx.meta = (real, temperature, chunk)
+        ctx.main_grad = main_grad
         return logprob, (entropy if entropy is not None else torch.zeros_like(logprob))
 
     @staticmethod
@@ -274,8 +284,11 @@ class _FusedOutputLogprob(torch.autograd.Function):
         n = hidden.shape[0]
         w = weight[:real]
         grad_hidden = torch.zeros_like(hidden)
-        # fp32 accumulation over chunks (a bf16 weight's gradient is rounded once, at the end)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # fp32 accumulation over chunks (a bf16 weight's gradient is rounded once, at the end), into
+        # the DDP grad buffer itself when given
+        grad_weight = ctx.main_grad
+        if grad_weight is None:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         buf, pbuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
         h_w = hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
         for lo in range(0, n if real else 0, chunk):
@@ -301,7 +314,8 @@ class _FusedOutputLogprob(torch.autograd.Function):
             else:
                 grad_weight[:real] += (coef_w.t() @ h_w[lo:hi]).float()
             del log_p, p, coef, coef_w
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        grad_w = None if ctx.main_grad is not None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None
 
 
 def _logits_buffer(rows: int, real: int, like: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,17 @@ class MegatronRole:
         m = self.module
         return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
 
+    def output_main_grad(self) -> Optional[torch.Tensor]:
+        """The LM head weight's fp32 gradient buffer (megatron DDP's `main_grad`), into which the fused
+        log-prob adds the head's gradient directly: fp32 weights of a trained role only. megatron runs
+        the grad reduce after backward here (`overlap_grad_reduce=False`), so no bucket waits for the
+        head's own backward hook; a tied embedding still gets its lookup's gradient through its hook."""
+        w = self.output_weight()
+        grad = getattr(w, "main_grad", None)
+        if self.optimizer is None or grad is None or w.dtype != torch.float32 or grad.dtype != torch.float32:
+            return None
+        return grad if grad.shape == w.shape else None
+
     def run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
         """Run `loss_fn(mb, output) -> (loss, stats)` over micro-batches; stats from the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func

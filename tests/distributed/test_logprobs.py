@@ -240,3 +240,24 @@ def test_fused_output_matches_log_softmax_in_float64():
     grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
     for got, want in zip([lp, ent, *grads], [lp64, ent64, *grads64]):
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+
+
+def test_fused_output_adds_weight_gradient_into_main_grad():
+    """With `main_grad` (megatron DDP's grad buffer), backward adds the weight's gradient into it and
+    hands autograd none: the buffer gains what `weight.grad` would have been; hidden's gradient and
+    the values are unchanged."""
+    from rlstack.workers.logprobs import fused_output_logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    already = torch.randn(weight.shape, generator=torch.Generator().manual_seed(9))  # earlier micro-batches
+    out = {}
+    for into_buffer in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        buf = already.clone() if into_buffer else None
+        lp, ent = fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100, main_grad=buf)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        out[into_buffer] = (lp.detach(), h.grad, w.grad, buf)
+    (lp0, h0, w0, _), (lp1, h1, w1, buf) = out[False], out[True]
+    assert w1 is None and float(w0.abs().max()) > 0.1
+    assert torch.equal(lp0, lp1) and torch.equal(h0, h1)
+    torch.testing.assert_close(buf - already, w0, atol=1e-6, rtol=1e-6)
