@@ -177,7 +177,7 @@ def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_
 def _logprob_bytes(cfg, tp: int, shape, s: Setting, train: bool) -> int:
     """Peak of one micro-batch's log-probs: fused (model.fused_output_logprobs) or from full logits."""
     if s.fused_output:
-        return m.fused_logprob_bytes(shape, tp, s.train_mb, train)
+        return m.fused_logprob_bytes(shape, tp, s.train_mb, train, head_grad_in_buffer=s.param_bytes == 4)
     fn = m.logprob_train_bytes if train else m.logprob_forward_bytes
     return fn(shape, tp, s.train_mb, s.param_bytes, cfg.rollout.temperature)
 

@@ -270,18 +270,20 @@ def logprob_forward_bytes(s: Shape, tp: int, mb: Tokens, act_bytes: int, tempera
 FUSED_CHUNK_ELEMS = 8 * 2**20
 
 
-def fused_logprob_bytes(s: Shape, tp: int, mb: Tokens, train: bool) -> int:
+def fused_logprob_bytes(s: Shape, tp: int, mb: Tokens, train: bool, head_grad_in_buffer: bool = False) -> int:
     """Peak of `fused_output_logprobs` on one micro-batch (model.fused_output_logprobs).
 
     Two fp32 [chunk, V/t] buffers that every row chunk's logits are written into, forward and
-    backward; with grad, the LM head's fp32 weight-gradient accumulator [V/t, h] (what megatron's
-    output layer would have produced as its weight's `.grad`) and the hidden states' gradient.
+    backward; with grad, the hidden states' gradient and the LM head's fp32 weight-gradient
+    accumulator [V/t, h] (what megatron's output layer would have produced as its weight's `.grad`),
+    unless the gradient goes straight into megatron's grad buffer (`head_grad_in_buffer`: fp32
+    weights, `MegatronRole.output_main_grad`), counted with the gradients already.
     No logits of the whole micro-batch exist.
     """
     buffers = 2 * 4 * min(logits_elems(s, tp, mb), max(FUSED_CHUNK_ELEMS, s.padded_vocab_size // tp))
     if not train:
         return buffers + mb.count * LOGPROB_ROW_BYTES
-    head_grad = 4 * (s.padded_vocab_size // tp) * s.hidden_size
+    head_grad = 0 if head_grad_in_buffer else 4 * (s.padded_vocab_size // tp) * s.hidden_size
     return buffers + head_grad + mb.count * (LOGPROB_ROW_BYTES + 4 * s.hidden_size)
 
 

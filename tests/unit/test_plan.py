@@ -95,6 +95,8 @@ def test_fused_output_logprob_temporaries():
     # weight-gradient accumulator 128 x 8 and the hidden states' gradient 8 x 8 fp32
     assert m.fused_logprob_bytes(S, 1, mb, train=False) == 1024 * 8 + 8 * 32
     assert m.fused_logprob_bytes(S, 1, mb, train=True) == 1024 * 8 + 128 * 8 * 4 + 8 * (32 + 32)
+    # fp32 weights: the head's gradient goes into megatron's grad buffer, no accumulator of its own
+    assert m.fused_logprob_bytes(S, 1, mb, train=True, head_grad_in_buffer=True) == 1024 * 8 + 8 * (32 + 32)
     cfg = load_config(CFG_7B)
     fused = plan_for_config(cfg, 8, 80, model_config_file=QWEN_7B)
     cfg.model.fused_output_logprobs = False
