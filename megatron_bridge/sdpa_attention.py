@@ -12,8 +12,9 @@ DotProductAttention, same q/k/v layout ([s, b, heads_per_partition, head_dim]) a
 
 Only what rlstack builds is supported (everything else is a bug in the caller): self attention
 with the causal mask megatron's GPTModel gives (rlstack calls `model(tokens, position_ids, None)`
-on right-padded rows: a causal mask is exact for every real token), no dropout, no attention bias,
-no packed sequences, vanilla softmax, no sliding window, no context parallelism.
+on right-padded rows: a causal mask is exact for every real token) or on rows packed end to end
+(`PackedSeqParams`, qkv_format "thd": each row attends causally within itself, rlstack/workers/
+packing.py), no dropout, no attention bias, vanilla softmax, no sliding window, no context parallelism.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ def sdpa_core_attention(query: Tensor, key: Tensor, value: Tensor, scale: float,
     )
     # [b, nq, sq, d] -> [sq, b, nq * d]
     return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+
+
+def sdpa_packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Attention of rows packed end to end (THD): each row attends causally to itself only.
+
+    query [t, nq, d], key/value [t, nkv, d] (megatron squeezes the batch dim for "thd"),
+    cu_seqlens [rows + 1] row boundaries -> [t, nq * d]. One SDPA call per row: a block-diagonal
+    mask over the whole pack would cost (t / row length) times the work.
+    """
+    q, k, v = (_own_storage(x) for x in (query, key, value))
+    bounds = cu_seqlens.tolist()
+    assert bounds[0] == 0 and bounds[-1] == q.size(0), f"bug: packed rows {bounds} do not cover the pack's {q.size(0)}"
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [s, n, d] -> [1, n, s, d]
+        o = F.scaled_dot_product_attention(
+            qi, ki, vi, dropout_p=0.0, is_causal=hi - lo > 1, scale=scale, enable_gqa=ki.size(1) != qi.size(1)
+        )
+        out.append(o[0].transpose(0, 1).reshape(hi - lo, -1))  # [s, nq * d]
+    return torch.cat(out, dim=0)
 
 
 def _own_storage(t: Tensor) -> Tensor:
@@ -108,15 +129,21 @@ class SDPADotProductAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
-        assert packed_seq_params is None, "SDPA core attention: packed sequences are not supported"
         assert attention_bias is None, "SDPA core attention: attention bias is not supported"
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         assert attention_mask is None, "SDPA core attention: only the implicit causal mask (pass None)"
-        assert query.size(2) == self.num_attention_heads_per_partition, (
+        assert query.size(-2) == self.num_attention_heads_per_partition, (
             query.shape,
             self.num_attention_heads_per_partition,
         )
-        assert key.size(2) == self.num_query_groups_per_partition, (key.shape, self.num_query_groups_per_partition)
+        assert key.size(-2) == self.num_query_groups_per_partition, (key.shape, self.num_query_groups_per_partition)
+        if packed_seq_params is not None:
+            p = packed_seq_params
+            assert p.qkv_format == "thd", f"SDPA core attention: packed format {p.qkv_format!r}, only 'thd'"
+            assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None, "no padded THD rows"
+            assert torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv), "SDPA core attention: packed self attention only"
+            assert mask_type == AttnMaskType.causal, f"SDPA core attention: packed rows need a causal mask, {mask_type}"
+            return sdpa_packed_attention(query, key, value, p.cu_seqlens_q, self.softmax_scale)
         return sdpa_core_attention(query, key, value, self.softmax_scale, _is_causal(mask_type, query, key))
 
 

@@ -38,6 +38,10 @@ class ModelConfig:
     # The actor's and reference's LM head multiplied inside the log-prob, chunk by chunk (verl's
     # use_fused_kernels): no [tokens, vocab] logits or gradient, one more chunked matmul in backward.
     fused_output_logprobs: bool = True
+    # Each micro-batch's rows packed end to end for the actor (fused head), reference and critic
+    # (megatron's THD format, RoPE and attention per row): no forward or backward on padding (verl's
+    # use_remove_padding). Applies without pipeline parallelism; equal results (rounding aside).
+    remove_padding: bool = True
 
 
 @dataclass

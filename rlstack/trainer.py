@@ -183,6 +183,7 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
     for role in (actor.role, ref, critic.role if critic else None):
         if role is not None:
             role.max_tokens_per_micro_batch = a.max_tokens_per_micro_batch
+            role.remove_padding = cfg.model.remove_padding
     return actor, ref, critic
 
 

@@ -180,7 +180,11 @@ class MicroBatches:
 
 
 def pack_micro_batches(
-    batch: dict[str, torch.Tensor], micro_batch_size: int, lengths: Optional[torch.Tensor], max_tokens: int = 0
+    batch: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    lengths: Optional[torch.Tensor],
+    max_tokens: int = 0,
+    balance: bool = False,
 ) -> MicroBatches:
     """[B, S] tensors -> micro-batches, longest rows first, each cut to its longest row.
 
@@ -192,7 +196,11 @@ def pack_micro_batches(
     runs: every rank joins the gradient all-reduce). Gradients are summed over a mini-batch's
     micro-batches, so their composition changes nothing but float summation order.
     `lengths=None` keeps rows in order and uncut (pipeline parallelism sends one
-    [micro_batch, S] shape between stages for every micro-batch).
+    [micro_batch, S] shape between stages for every micro-batch). `balance` (rows that run packed,
+    without padding: model.remove_padding) deals the rows, longest first, into as many micro-batches
+    as `micro_batch_size` rows make, each to the one holding the fewest tokens so far: micro-batches
+    of near-equal tokens (rows per micro-batch may differ), so the largest, which sets the
+    activation peak, is as small as it can be.
     """
     first = next(iter(batch.values()))
     size, seq_len = first.shape[:2]
@@ -204,6 +212,8 @@ def pack_micro_batches(
         lengths = lengths.cpu()
         order = torch.sort(lengths, descending=True, stable=True).indices  # [B]
         groups = _token_budget_groups(order, lengths, max_tokens) if max_tokens > 0 else None
+        if groups is None and balance:
+            groups = _balanced_groups(order, lengths, -(-size // micro_batch_size))
         if groups is None:
             assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
             groups = list(order.split(micro_batch_size))
@@ -213,6 +223,18 @@ def pack_micro_batches(
         for rows, cut in zip(groups, cuts)
     ]
     return MicroBatches(batches=batches, order=torch.cat(groups), seq_len=seq_len)
+
+
+def _balanced_groups(order: torch.Tensor, lengths: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """Rows in `order` (longest first) dealt into `count` groups, each to the group with the fewest
+    tokens (greedy longest-processing-time); each group stays longest first, empty groups are dropped."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    tokens = [0] * count
+    for r in order.tolist():
+        g = min(range(count), key=lambda i: (tokens[i], len(groups[i])))
+        groups[g].append(r)
+        tokens[g] += max(1, int(lengths[r]))
+    return [torch.tensor(g) for g in groups if g]
 
 
 def _token_budget_groups(order: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:

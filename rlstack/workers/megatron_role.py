@@ -17,6 +17,7 @@ import torch
 from megatron_bridge.parallel import ParallelGroups
 from rlstack import collectives
 from rlstack.workers.batch import MicroBatches, pack_micro_batches
+from rlstack.workers.packing import SEQ_LENS, PackedRows
 
 
 @dataclass
@@ -126,6 +127,8 @@ class MegatronRole:
         )
         self.config = model.config
         self.max_tokens_per_micro_batch = 0  # algorithm.max_tokens_per_micro_batch (0: micro_batch_size rows)
+        # model.remove_padding: each micro-batch's rows run packed end to end (rlstack/workers/packing.py)
+        self.remove_padding = False
         self.optimizer = None
         self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step
         if optim is None:
@@ -138,6 +141,7 @@ class MegatronRole:
         # model.fused_output_logprobs: the last stage's LM head hands its input to the loss, which
         # multiplies it chunk by chunk (rlstack.workers.logprobs.fused_output_logprobs).
         self.fused_output = fused_output and not value_head
+        self.value_head = value_head
         self._lm_head = _DeferredLMHead(self.module) if self.fused_output and groups.is_last_stage else None
 
     @property
@@ -167,7 +171,14 @@ class MegatronRole:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["tokens"], mb["position_ids"], None)
+            if SEQ_LENS in mb:  # padding removed: the rows end to end, the output back in [b, S] rows
+                packed = PackedRows.of(mb[SEQ_LENS], mb["tokens"].shape[1], mb["tokens"].device)
+                output = model(
+                    packed.pack(mb["tokens"]), packed.pack(mb["position_ids"]), None, packed_seq_params=packed.params
+                )
+                output = packed.unpack(output)
+            else:
+                output = model(mb["tokens"], mb["position_ids"], None)
             return output, functools.partial(_call_loss, loss_fn, mb)
 
         tokens = micro_batches[0]["tokens"]
@@ -204,10 +215,22 @@ class MegatronRole:
     ) -> MicroBatches:
         """`batch`'s micro-batches for this role: sorted by length and cut to their longest row
         without pipeline parallelism (of `micro_batch_size` rows, or filled up to
-        `max_tokens_per_micro_batch` token slots), in order and uncut with it (one shape between stages)."""
+        `max_tokens_per_micro_batch` token slots), in order and uncut with it (one shape between stages).
+        With `remove_padding` (no pipeline parallelism) each carries its rows' lengths (`SEQ_LENS`)
+        and runs packed."""
         if self.groups.dims.pp > 1:
             return pack_micro_batches(batch, micro_batch_size, None)
-        return pack_micro_batches(batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch)
+        # Packed rows come back as [b, S, ...] (PackedRows.unpack): a copy of the output, small for a
+        # value head or the fused LM head's hidden states, a second [b, S, V] logits tensor otherwise.
+        packed = self.remove_padding and (self.fused_output or self.value_head)
+        mbs = pack_micro_batches(batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch, balance=packed)
+        if packed:
+            start = 0
+            for mb in mbs.batches:
+                rows = mb["tokens"].shape[0]
+                mb[SEQ_LENS] = lengths.cpu()[mbs.order[start : start + rows]]  # [b]
+                start += rows
+        return mbs
 
     def loss_scale(self, num_micro_batches: int) -> float:
         """What each micro-batch's loss is multiplied by so that the gradient is that of the globally

@@ -53,23 +53,44 @@ def assert_zero_copy(rows):
     assert sum("sync/verify_max_diff" in r for r in rows) == 4
 
 
+# Rows padded (model.remove_padding=false) in the layout comparison: packed rows at TP2 round the
+# actor's and the separately built reference's log-probs differently in the last bit (~1e-6; MKL
+# picks its kernel by shape), so the KL gradient of the first step, exactly 0 when every advantage is
+# 0, is ~1e-9 instead, and Adam turns any nonzero gradient into a full-size step. Packing itself is
+# compared with padding at TP1 and TP2 in tests/distributed/test_remove_padding.py, and end to end
+# below (test_packed_rows_train_as_padded).
+PADDED = "model.remove_padding=false"
+
+
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory):
-    """3 steps at the tiny config's layout (TP1 x PP1 x DP2): what the other layouts are compared with."""
+    """3 steps at the tiny config's layout (TP1 x PP1 x DP2), rows padded: what the others are compared with."""
     base = str(tmp_path_factory.mktemp("dp2"))
-    torchrun_train(base, ["trainer.total_steps=3"])
+    torchrun_train(base, ["trainer.total_steps=3", PADDED])
     return train_steps(read_metrics(base))
+
+
+def _assert_same_training(reference: list, other: list) -> None:
+    assert len(reference) == len(other) == 3
+    for a, b in zip(reference, other):
+        assert a["reward/mean"] == b["reward/mean"]  # same samples: rollout does not depend on the layout
+        for key in NUMERIC_KEYS:
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]])
 def test_layouts_match_dp2(tmp_path, dp2_run, layout):
     other = str(tmp_path / "other")
-    torchrun_train(other, ["trainer.total_steps=3", *layout])
-    for a, b in zip(dp2_run, train_steps(read_metrics(other))):
-        assert a["reward/mean"] == b["reward/mean"]  # same samples: rollout does not depend on the layout
-        for key in NUMERIC_KEYS:
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    torchrun_train(other, ["trainer.total_steps=3", PADDED, *layout])
+    _assert_same_training(dp2_run, train_steps(read_metrics(other)))
+
+
+def test_packed_rows_train_as_padded(tmp_path, dp2_run):
+    """model.remove_padding (the default): the same 3 steps as padded rows, within rounding."""
+    packed = str(tmp_path / "packed")
+    torchrun_train(packed, ["trainer.total_steps=3"])
+    _assert_same_training(dp2_run, train_steps(read_metrics(packed)))
 
 
 def test_dry_run_changes_no_parameter(tmp_path):

@@ -45,3 +45,24 @@ def test_without_lengths_rows_stay_in_order_and_uncut():
     assert mbs.order.tolist() == list(range(6))
     assert all(mb["tokens"].shape == (3, 8) for mb in mbs.batches)
     assert torch.equal(mbs.rows([{"t": mb["tokens"]} for mb in mbs.batches], "t"), r.tokens)
+
+
+def test_balanced_micro_batches_hold_near_equal_tokens():
+    """balance=True (rows that run packed): rows dealt longest first to the micro-batch with the
+    fewest tokens; as many micro-batches as micro_batch_size rows make, every row once."""
+    lengths = torch.tensor([139, 139, 139, 134, 111, 108, 105, 102, 100, 99, 98, 96, 92, 88, 88, 79])
+    batch = {"tokens": torch.arange(16 * 139).view(16, 139)}
+    fixed = pack_micro_batches(batch, 8, lengths)
+    balanced = pack_micro_batches(batch, 8, lengths, balance=True)
+    assert sorted(balanced.order.tolist()) == list(range(16)) and len(balanced.batches) == 2
+    sums = []
+    start = 0
+    for mb in balanced.batches:
+        rows = balanced.order[start : start + mb["tokens"].shape[0]]
+        start += len(rows)
+        assert mb["tokens"].shape[1] == int(lengths[rows].max()) == int(lengths[rows[0]])  # longest first, cut
+        assert torch.equal(mb["tokens"], batch["tokens"][rows, : mb["tokens"].shape[1]])
+        sums.append(int(lengths[rows].sum()))
+    assert sum(sums) == int(lengths.sum()) and max(sums) - min(sums) <= int(lengths.min())
+    # the fixed split puts the 8 longest together: its largest micro-batch holds more tokens
+    assert max(sums) < int(lengths[fixed.order[:8]].sum())
