@@ -196,6 +196,9 @@ class TrainerConfig:
     deterministic: bool = False  # torch deterministic algorithms (golden-file tests)
     on_nonfinite: str = "stop"  # stop | skip: a NaN/inf loss or gradient norm stops the run, or skips that update
     overwrite: bool = False  # start afresh in an output_dir that holds an earlier run (deletes its checkpoints)
+    # Each DP rank's prompts chosen so that the ranks' generations hold about equal tokens (verl's
+    # balance_batch): the update waits for the slowest rank at every gradient all-reduce.
+    balance_batch: bool = True
 
 
 @dataclass

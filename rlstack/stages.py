@@ -111,14 +111,40 @@ def _chunks(items: list, n: int, cfg: RolloutConfig) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def dp_share(prompts: list, gens: list[Generation], groups: ParallelGroups) -> tuple[list, list[Generation]]:
-    """This data-parallel rank's contiguous share of the prompts, and their generations (re-indexed)."""
-    share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)
-    first, mine = (share[0] if share else 0), set(share)
+def dp_share(
+    prompts: list, gens: list[Generation], groups: ParallelGroups, balance: bool = False
+) -> tuple[list, list[Generation]]:
+    """This data-parallel rank's share of the prompts, and their generations (re-indexed to it).
+
+    Contiguous, or with `balance` (trainer.balance_batch) the prompts dealt so that every rank's
+    generations hold about the same number of tokens (`balanced_share`): the update's work follows
+    tokens, and the ranks wait for the slowest at every gradient all-reduce. Each prompt's samples
+    stay together (group advantages), and the ranks' prompt counts are those of the contiguous split.
+    """
+    if balance and groups.dims.dp > 1:
+        tokens = [0] * len(prompts)
+        for g in gens:
+            tokens[g.prompt_index] += len(g.prompt_ids) + len(g.response_ids)
+        share = balanced_share(tokens, groups.dp_rank, groups.dims.dp)
+    else:
+        share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)
+    position = {p: i for i, p in enumerate(share)}
     return (
         [prompts[i] for i in share],
-        [dataclasses.replace(g, prompt_index=g.prompt_index - first) for g in gens if g.prompt_index in mine],
+        [dataclasses.replace(g, prompt_index=position[g.prompt_index]) for g in gens if g.prompt_index in position],
     )
+
+
+def balanced_share(tokens: list[int], rank: int, size: int) -> list[int]:
+    """Rank `rank`'s items (ascending) when `size` ranks take as many items each as `split_for_rank`
+    gives them and about equal token sums: items dealt largest first, each to the rank with the
+    fewest tokens among those with room (ties: the lower rank). The same on every rank."""
+    room = [len(split_for_rank(tokens, r, size)) for r in range(size)]
+    load, owner = [0] * size, [0] * len(tokens)
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        r = min((r for r in range(size) if room[r] > 0), key=lambda r: (load[r], r))
+        owner[i], room[r], load[r] = r, room[r] - 1, load[r] + tokens[i]
+    return [i for i in range(len(tokens)) if owner[i] == rank]
 
 
 def score(scorer, tokenizer, prompts: list, gens: list[Generation]) -> list:

@@ -271,7 +271,7 @@ class Trainer:
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
         gens, gen_tokens = self.generate(global_prompts, greedy=False)
-        prompts, gens = stages.dp_share(global_prompts, gens, g)
+        prompts, gens = stages.dp_share(global_prompts, gens, g, cfg.trainer.balance_batch)
         timings["timing/rollout_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -359,7 +359,9 @@ class Trainer:
             timings["timing/sync_s"] = sync_stats.seconds
         else:
             timings["timing/sync_s"] = time.perf_counter() - t0 - timings["timing/trainer_wait_rollout"]
-            prompts, gens = stages.dp_share([self.train_set[i] for i in indices], batch.gens, g)
+            prompts, gens = stages.dp_share(
+                [self.train_set[i] for i in indices], batch.gens, g, cfg.trainer.balance_batch
+            )
             t0 = time.perf_counter()
             scores = self._rewards(prompts, gens)
             rollout = self._build_rollout(prompts, gens, scores)
