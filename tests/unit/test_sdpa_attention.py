@@ -129,8 +129,10 @@ def test_refuses_what_rlstack_never_passes():
     q, k, v = (t.detach() for t in _qkv(5, 1, 9, 3, 64, torch.float32))
     with pytest.raises(AssertionError, match="causal mask"):
         sdpa(q, k, v, torch.zeros(1, 1, 5, 5, dtype=torch.bool, device=DEVICE))
-    with pytest.raises(AssertionError, match="packed"):
-        sdpa(q, k, v, None, packed_seq_params=object())
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    with pytest.raises(AssertionError, match="packed format"):  # only THD packing (rlstack/workers/packing.py)
+        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(AssertionError, match="bias"):
         sdpa(q, k, v, None, attention_bias=torch.zeros(1))
     with pytest.raises(AssertionError, match="dropout"):
