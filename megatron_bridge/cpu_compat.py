@@ -3,7 +3,8 @@
 Megatron-Core assumes CUDA in several ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
 device is present and names its call sites (paths under `megatron/core/`, version 0.16.1). (a)-(h) change
 only calls that would otherwise raise (h also applies on a GPU without Transformer Engine); (i)-(k) replace
-eager CPU kernels (SwiGLU, RMSNorm, RoPE) with the same maths in fewer temporaries. `apply()` is idempotent;
+eager CPU kernels (SwiGLU, RMSNorm, RoPE) with the same maths in fewer temporaries; (l) replaces gloo's
+reduce-scatter and all-gather of megatron's grad and param buffers with in-place collectives. `apply()` is idempotent;
 `tests/unit/test_cpu_compat.py` checks each patch, and the distributed tests check the results against
 single-rank references.
 """
@@ -43,6 +44,7 @@ def apply() -> bool:
     _patch_eager_swiglu()
     _patch_lean_rmsnorm()
     _patch_lean_rope()
+    _patch_gloo_bucket_collectives()
     _APPLIED = True
     log.debug("megatron-core CPU patches applied")
     return True
@@ -320,6 +322,61 @@ def _patch_lean_rope() -> None:
 
     bshd._rlstack_lean = True
     rope_utils._apply_rotary_pos_emb_bshd = bshd
+
+
+# (l) distributed/param_and_grad_buffer.py `dist_reduce_scatter_func` / `dist_all_gather_func`
+#     (torch's reduce_scatter_tensor / all_gather_into_tensor, bound at :35-36): the distributed
+#     optimizer's grad reduce-scatter (`start_grad_sync`, :443) and param all-gather
+#     (`start_param_sync`, :285), each bucket's own shard (`shard_buffer`) against the whole bucket.
+#     gloo has neither collective in place: each stages a full-bucket copy (SmolLM2 fp32, 2 ranks:
+#     +0.50 GiB a rank at that moment) and the reduce-scatter takes twice an all-reduce (0.60-0.76 s
+#     against 0.30-0.40). Inside megatron's `_coalescing_manager` torch then queues them as
+#     `reduce_scatter_single_coalesced`, which took 1.9-2.1 s a step (docs/megatron_core.md). On CPU
+#     tensors the grad bucket is all-reduced in place instead (the shard gets the same sum; the other
+#     shards, which the optimizer never reads, get it too) and the params are gathered by one
+#     broadcast per shard from its owner (bit for bit, no staging). Asynchronous calls (overlap,
+#     which rlstack leaves off) and other layouts keep torch's functions.
+def _own_shard(shard: torch.Tensor, whole: torch.Tensor, group) -> bool:
+    """Is `shard` this rank's contiguous 1/size view of `whole` (as megatron's shard_buffer makes it)?"""
+    size, rank = group.size(), group.rank()
+    return (
+        shard.is_contiguous()
+        and whole.is_contiguous()
+        and shard.dtype == whole.dtype
+        and shard.numel() * size == whole.numel()
+        and shard.data_ptr() == whole.data_ptr() + rank * shard.numel() * shard.element_size()
+    )
+
+
+def _patch_gloo_bucket_collectives() -> None:
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    reduce_scatter, all_gather = buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func
+    if getattr(reduce_scatter, "_rlstack_gloo", False):
+        return
+
+    @functools.wraps(reduce_scatter)
+    def gloo_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or group is None or input.is_cuda or not _own_shard(output, input, group):
+            return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        # The group's own allreduce: `dist.all_reduce` inside a `_coalescing_manager` is only queued,
+        # and torch runs the queue as `allreduce_coalesced`, which flattens into a copy.
+        group.allreduce([input], opts).wait()
+        return None
+
+    @functools.wraps(all_gather)
+    def gloo_all_gather(output, input, group=None, async_op=False):
+        if async_op or group is None or output.is_cuda or not _own_shard(input, output, group):
+            return all_gather(output, input, group=group, async_op=async_op)
+        for member, shard in enumerate(output.view(group.size(), -1)):
+            dist.broadcast(shard, group=group, group_src=member)  # not queued by _coalescing_manager
+        return None
+
+    gloo_reduce_scatter._rlstack_gloo = gloo_all_gather._rlstack_gloo = True
+    buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func = gloo_reduce_scatter, gloo_all_gather
 
 
 class _CpuStream:
