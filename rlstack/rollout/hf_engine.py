@@ -23,10 +23,15 @@ from typing import Optional
 import torch
 
 from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams
+from rlstack.rollout.lean_decode import LeanDecoder
 from rlstack.rollout.sampling import sample_next
 
 # Compact the batch (and its KV cache) once this share of its rows has stopped.
 _COMPACT_FINISHED_SHARE = 0.25
+# ...but keep at least this many rows (stopped ones decode on, unread): oneDNN's packed linears take
+# longer for 1-2 rows than for 3-6 (SmolLM2's weights, AMD EPYC, 1 thread: 37 / 44 ms at 1 / 2 rows,
+# 29-31 ms at 3-6, 54 ms at 16), and a generation's last live rows are most of its decode steps.
+_MIN_DECODE_ROWS = 4
 # transformers' sdpa path, with grouped-query attention inside the kernel (see _sdpa_gqa_attention).
 _ATTENTION = "rlstack_sdpa_gqa"
 
@@ -129,7 +134,7 @@ def _can_pack(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
+def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[dict]:
     """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
 
     A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
@@ -137,22 +142,20 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> 
     weights ~140 (31 ms), near the memory bandwidth. The copies are built per generate() call, after
     any weight sync (so they always match the parameters the sync writes into), and freed at its end:
     +1x the linear weights during rollout only. Values differ from F.linear by rounding (~3e-6
-    relative). Yields the bytes packed (0 where packing does not apply: GPU, bf16, no oneDNN).
+    relative). Yields {module: packed weight} (empty where packing does not apply: GPU, bf16, no oneDNN).
     """
     if not (enabled and _can_pack(model)):
-        yield 0
+        yield {}
         return
-    patched, nbytes = [], 0
+    packed = {}
     try:
         for mod in model.modules():
             if isinstance(mod, torch.nn.Linear):
-                packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
-                mod.forward = functools.partial(_packed_forward, packed=packed, bias=mod.bias)
-                patched.append(mod)
-                nbytes += mod.weight.numel() * mod.weight.element_size()
-        yield nbytes
+                packed[mod] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
+                mod.forward = functools.partial(_packed_forward, packed=packed[mod], bias=mod.bias)
+        yield packed
     finally:
-        for mod in patched:
+        for mod in packed:
             del mod.forward  # the class's own forward again
 
 
@@ -222,10 +225,13 @@ class HFEngine(RolloutEngine):
         results: list[Optional[Generation]] = [None] * len(rows)
         mbs = max(1, self.cfg.micro_batch_size)
         with _packed_linears(self.model, min(mbs, len(rows)), getattr(self.cfg, "pack_weights", True)) as packed:
-            self._counters.packed_bytes = max(self._counters.packed_bytes, packed)
+            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
+            self._counters.packed_bytes = max(self._counters.packed_bytes, nbytes)
+            # Decode steps on the packed weights without transformers' per-module overhead (lean_decode.py).
+            lean = LeanDecoder(self.model, packed) if packed and LeanDecoder.supports(self.model) else None
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
-                for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator)):
+                for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator, lean)):
                     results[r] = gen
         self._counters.seconds += time.perf_counter() - start
         self._counters.sequences += len(rows)
@@ -241,7 +247,11 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(
-        self, rows: list[tuple[int, list[int]]], params: SamplingParams, generator: torch.Generator
+        self,
+        rows: list[tuple[int, list[int]]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        lean: Optional[LeanDecoder] = None,
     ) -> list[Generation]:
         batch = len(rows)
         # Prefill each distinct prompt once and copy its KV cache to its n sample rows: the n samples of
@@ -280,20 +290,33 @@ class HFEngine(RolloutEngine):
             keep = ~stopped[active]  # [b]; stopped rows still in the batch decode on, unread
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [b, L+step+1]
             if (~keep).float().mean() >= _COMPACT_FINISHED_SHARE:
-                idx = keep.nonzero().squeeze(-1).to(self.device)
-                cache.batch_select_indices(idx)
-                tok, mask, next_pos, active = tok[idx], mask[idx], next_pos[idx], active[keep]
-            logits = self.model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=mask,
-                position_ids=next_pos.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]  # [b, V]
+                idx = self._rows_to_keep(keep)
+                if len(idx) < len(keep):
+                    cache.batch_select_indices(idx.to(self.device))
+                    tok, mask, next_pos, active = tok[idx], mask[idx], next_pos[idx], active[idx]
+            if lean is not None:
+                logits = lean.step(tok, next_pos, mask, cache)  # [b, V]
+            else:
+                logits = self.model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=next_pos.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1]  # [b, V]
             next_pos = next_pos + 1
         return [
             self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b])) for b in range(batch)
         ]
+
+    @staticmethod
+    def _rows_to_keep(keep: torch.Tensor) -> torch.Tensor:
+        """Batch rows to decode on [k]: the live ones, topped up with stopped ones to `_MIN_DECODE_ROWS`."""
+        rows = keep.nonzero().squeeze(-1)
+        short = min(_MIN_DECODE_ROWS, len(keep)) - len(rows)
+        if short > 0:
+            rows = torch.cat([rows, (~keep).nonzero().squeeze(-1)[:short]]).sort().values
+        return rows
 
     @staticmethod
     def _distinct_prompts(rows: list[tuple[int, list[int]]]) -> tuple[list[list[int]], torch.Tensor]:

@@ -1,0 +1,130 @@
+"""One decode step of a Llama-family transformers model in ~20 tensor ops a layer (the hf engine, CPU).
+
+A decode step multiplies a few rows by every weight; on CPU the weights' streaming is the floor
+(SmolLM2: ~22 ms a step at 24 GB/s). transformers' forward adds ~17 ms of per-module Python and
+small ops to it at one row (masks, cache bookkeeping, three q/k/v and two gate/up calls, output
+wrappers). `LeanDecoder` runs the same maths on the model's norms and embedding and on the
+oneDNN-packed copies of its linears that the hf engine holds during rollout anyway (no further copy),
+writing into the engine's reserved KV cache. (Fusing q/k/v and gate/up into one weight each saved
+only ~2 ms more at 1-16 rows and would need a second copy.) Llama, Qwen2 (q/k/v biases) and Qwen3
+(q/k norms) with full attention and SiLU; other models keep transformers' forward
+(`LeanDecoder.supports`). Prefill runs transformers' forward.
+tests/unit/test_lean_decode.py checks the logits against transformers' forward step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm in fp32, the same ops in the same order."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: t cos + rotate_half(t) sin."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
+@dataclass
+class _Linear:
+    packed: torch.Tensor  # the oneDNN copy `_packed_linears` made of the module's weight
+    bias: Optional[torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # [b, k] -> [b, n]
+
+
+@dataclass
+class _Layer:
+    input_norm: tuple[torch.Tensor, float]
+    q: Callable[[torch.Tensor], torch.Tensor]  # [b, h] -> [b, n]: a _Linear or the module itself
+    k: Callable[[torch.Tensor], torch.Tensor]
+    v: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: Optional[tuple[torch.Tensor, float]]  # Qwen3: per-head RMSNorm of q and k before RoPE
+    k_norm: Optional[tuple[torch.Tensor, float]]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: tuple[torch.Tensor, float]
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _norm(module) -> Optional[tuple[torch.Tensor, float]]:
+    return (module.weight, module.variance_epsilon) if module is not None else None
+
+
+class LeanDecoder:
+    """A model's decode step over the packed weights of one generate() call (`step`)."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        return (
+            getattr(config, "model_type", None) in _MODEL_TYPES
+            and getattr(config, "hidden_act", None) == "silu"
+            and all(t == "full_attention" for t in layer_types)
+            and not getattr(config, "use_sliding_window", False)
+        )
+
+    def __init__(self, model: torch.nn.Module, packed: dict[torch.nn.Module, torch.Tensor]):
+        """packed: nn.Linear modules of `model` -> their oneDNN-reordered weights. A module without one
+        (zero_copy.GroupedLinear: q/k/v as views of the actor's fused QKV) runs its own forward."""
+        inner = model.model
+        lin = lambda m: _Linear(packed[m], m.bias) if m in packed else m  # noqa: E731
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.final_norm = _norm(inner.norm)
+        self.head = lin(model.lm_head)
+        first = inner.layers[0].self_attn
+        self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.layers = [
+            _Layer(
+                input_norm=_norm(layer.input_layernorm),
+                q=lin(layer.self_attn.q_proj),
+                k=lin(layer.self_attn.k_proj),
+                v=lin(layer.self_attn.v_proj),
+                q_norm=_norm(getattr(layer.self_attn, "q_norm", None)),
+                k_norm=_norm(getattr(layer.self_attn, "k_norm", None)),
+                o=lin(layer.self_attn.o_proj),
+                post_norm=_norm(layer.post_attention_layernorm),
+                gate=lin(layer.mlp.gate_proj),
+                up=lin(layer.mlp.up_proj),
+                down=lin(layer.mlp.down_proj),
+            )
+            for layer in inner.layers
+        ]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """tokens [b], positions [b] (RoPE), mask [b, n] (1 = attend; n = cached + 1) -> logits [b, V]."""
+        b, d = tokens.shape[0], self.head_dim
+        x = F.embedding(tokens, self.embed)  # [b, h]
+        cos, sin = self.rotary(x, positions.unsqueeze(-1))  # [b, 1, d] each
+        attend = mask.bool().view(b, 1, 1, -1)  # [b, 1, 1, n]
+        gqa = self.heads != self.kv_heads
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, *layer.input_norm)
+            q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
+            if layer.q_norm is not None:
+                q, k = _rms_norm(q, *layer.q_norm), _rms_norm(k, *layer.k_norm)
+            q = _rotate(q, cos, sin).view(b, self.heads, 1, d)
+            k = _rotate(k, cos, sin).view(b, self.kv_heads, 1, d)
+            keys, values = cache.layers[i].update(k, layer.v(h).view(b, self.kv_heads, 1, d))  # [b, G, n, d] each
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=self.scaling, enable_gqa=gqa)
+            x = x + layer.o(out.reshape(b, self.heads * d))  # out [b, H, 1, d]
+            h = _rms_norm(x, *layer.post_norm)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return self.head(_rms_norm(x, *self.final_norm))  # [b, V]

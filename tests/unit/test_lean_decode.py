@@ -1,0 +1,76 @@
+"""The hf engine's lean decode step against transformers' forward, on Llama, Qwen2 and Qwen3 shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from rlstack.rollout import hf_engine
+from rlstack.rollout.lean_decode import LeanDecoder
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed linears need oneDNN")
+
+_SHAPE = dict(vocab_size=97, hidden_size=96, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+
+
+def _model(kind: str):
+    config, cls = {
+        "llama": (LlamaConfig(**_SHAPE, attention_bias=True, tie_word_embeddings=True), LlamaForCausalLM),
+        "qwen2": (Qwen2Config(**_SHAPE, tie_word_embeddings=False), Qwen2ForCausalLM),  # q/k/v biases
+        "qwen3": (Qwen3Config(**_SHAPE), Qwen3ForCausalLM),  # q/k norms
+    }[kind]
+    torch.manual_seed(0)
+    hf_engine._register_attention()
+    model = cls._from_config(config, attn_implementation=hf_engine._ATTENTION).eval()
+    with torch.no_grad():  # biases and norm weights away from their 0 / 1 initial values
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_lean_steps_equal_transformers_forward(kind):
+    model = _model(kind)
+    assert LeanDecoder.supports(model)
+    ids = torch.randint(3, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, :1] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), hf_engine._packed_linears(model, rows=3) as packed:
+        lean = LeanDecoder(model, packed)
+        caches = [hf_engine._reserved_cache(model.config, capacity=12) for _ in range(2)]
+        logits = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c).logits[:, -1]
+                  for c in caches]
+        nxt = pos[:, -1] + 1
+        for step in range(5):
+            tok = logits[0].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            expected = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=nxt.unsqueeze(-1),
+                             past_key_values=caches[0]).logits[:, -1]
+            got = lean.step(tok, nxt, mask, caches[1])
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            logits, nxt = [expected, got], nxt + 1
+        for a, b in zip(caches[0].layers, caches[1].layers):  # the same K/V written to the cache
+            torch.testing.assert_close(b.keys, a.keys, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(b.values, a.values, rtol=1e-6, atol=1e-6)
+
+
+def test_other_models_keep_transformers_forward():
+    torch.manual_seed(0)
+    gelu = LlamaForCausalLM._from_config(LlamaConfig(**_SHAPE, hidden_act="gelu"))
+    assert not LeanDecoder.supports(gelu)  # another activation
+    windowed = MistralForCausalLM._from_config(MistralConfig(**_SHAPE, sliding_window=4))
+    assert not LeanDecoder.supports(windowed)  # another model type (sliding-window attention)
