@@ -122,9 +122,20 @@ def _reference_logprobs(model, g: Generation, temperature: float = 1.0) -> torch
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
-def test_hf_engine_greedy_matches_transformers(request, ckpt):
+def test_hf_engine_greedy_matches_transformers(request, monkeypatch, ckpt):
+    from rlstack.rollout.lean_decode import LeanDecoder
+
+    lean_rows = []
+    step = LeanDecoder.step
+
+    def counted(self, tokens, *args):
+        lean_rows.append(len(tokens))
+        return step(self, tokens, *args)
+
+    monkeypatch.setattr(LeanDecoder, "step", counted)
     engine = _hf_engine(request.getfixturevalue(ckpt))
     gens = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=10))
+    assert lean_rows and max(lean_rows) <= 3  # the lean step decoded (micro-batches of at most 3 rows)
     assert [g.prompt_index for g in gens] == list(range(len(PROMPTS)))
     for g in gens:  # left padding + batching changes nothing: each row matches its own unpadded run
         ref = engine.model.generate(

@@ -107,3 +107,13 @@ def test_pack_weights_false_holds_no_copy():
     with hf_engine._packed_linears(model, rows=3, enabled=False) as weights:
         assert weights == {}
         assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_compaction_keeps_at_least_min_decode_rows():
+    keep = torch.tensor([False, True, False, False, False, True, False, False])
+    rows = hf_engine.HFEngine._rows_to_keep(keep)
+    assert len(rows) == hf_engine._MIN_DECODE_ROWS and set(rows.tolist()) >= {1, 5}  # both live rows
+    assert rows.tolist() == sorted(rows.tolist())  # batch order kept
+    assert hf_engine.HFEngine._rows_to_keep(torch.tensor([True, False])).tolist() == [0, 1]  # never past the batch
+    live = torch.tensor([True] * 6 + [False] * 2)
+    assert hf_engine.HFEngine._rows_to_keep(live).tolist() == list(range(6))  # enough live rows: only those
