@@ -225,10 +225,10 @@ class MegatronRole:
         packed = self.remove_padding and (self.fused_output or self.value_head)
         mbs = pack_micro_batches(batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch, balance=packed)
         if packed:
-            start = 0
+            start, host_lengths = 0, lengths.cpu()  # [B]
             for mb in mbs.batches:
                 rows = mb["tokens"].shape[0]
-                mb[SEQ_LENS] = lengths.cpu()[mbs.order[start : start + rows]]  # [b]
+                mb[SEQ_LENS] = host_lengths[mbs.order[start : start + rows]]  # [b]
                 start += rows
         return mbs
 
