@@ -228,7 +228,7 @@ class HFEngine(RolloutEngine):
             nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
             self._counters.packed_bytes = max(self._counters.packed_bytes, nbytes)
             # Decode steps on the packed weights without transformers' per-module overhead (lean_decode.py).
-            lean = LeanDecoder(self.model, packed) if packed and LeanDecoder.supports(self.model) else None
+            lean = LeanDecoder(self.model) if packed and LeanDecoder.supports(self.model) else None
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
                 for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator, lean)):

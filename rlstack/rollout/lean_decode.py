@@ -37,18 +37,9 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @dataclass
-class _Linear:
-    packed: torch.Tensor  # the oneDNN copy `_packed_linears` made of the module's weight
-    bias: Optional[torch.Tensor]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # [b, k] -> [b, n]
-
-
-@dataclass
 class _Layer:
     input_norm: tuple[torch.Tensor, float]
-    q: Callable[[torch.Tensor], torch.Tensor]  # [b, h] -> [b, n]: a _Linear or the module itself
+    q: Callable[[torch.Tensor], torch.Tensor]  # [b, h] -> [b, n]: the module's forward
     k: Callable[[torch.Tensor], torch.Tensor]
     v: Callable[[torch.Tensor], torch.Tensor]
     q_norm: Optional[tuple[torch.Tensor, float]]  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -65,7 +56,7 @@ def _norm(module) -> Optional[tuple[torch.Tensor, float]]:
 
 
 class LeanDecoder:
-    """A model's decode step over the packed weights of one generate() call (`step`)."""
+    """A model's decode step (`step`) over the linears' forwards of one generate() call."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -78,11 +69,11 @@ class LeanDecoder:
             and not getattr(config, "use_sliding_window", False)
         )
 
-    def __init__(self, model: torch.nn.Module, packed: dict[torch.nn.Module, torch.Tensor]):
-        """packed: nn.Linear modules of `model` -> their oneDNN-reordered weights. A module without one
-        (zero_copy.GroupedLinear: q/k/v as views of the actor's fused QKV) runs its own forward."""
+    def __init__(self, model: torch.nn.Module):
+        """Built inside the hf engine's `_packed_linears` block: each linear's `forward` is then its
+        packed one (a zero-copy `GroupedLinear` keeps its own), called without nn.Module's __call__."""
         inner = model.model
-        lin = lambda m: _Linear(packed[m], m.bias) if m in packed else m  # noqa: E731
+        lin = lambda m: m.forward  # noqa: E731
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.final_norm = _norm(inner.norm)

@@ -49,8 +49,8 @@ def test_lean_steps_equal_transformers_forward(kind):
     mask[0, :3] = 0  # left padding
     mask[1, :1] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), hf_engine._packed_linears(model, rows=3) as packed:
-        lean = LeanDecoder(model, packed)
+    with torch.no_grad(), hf_engine._packed_linears(model, rows=3):
+        lean = LeanDecoder(model)
         caches = [hf_engine._reserved_cache(model.config, capacity=12) for _ in range(2)]
         logits = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c).logits[:, -1]
                   for c in caches]
