@@ -105,7 +105,11 @@ class LeanDecoder:
         x = F.embedding(tokens, self.embed)  # [b, h]
         cos, sin = self.rotary(x, positions.unsqueeze(-1))  # [b, 1, d] each
         # The additive mask SDPA would build from a bool one in every layer, built once: [b, 1, 1, n].
-        attend = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask == 0, float("-inf")).view(b, 1, 1, -1)
+        attend = (
+            torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
+            .masked_fill_(mask == 0, float("-inf"))
+            .view(b, 1, 1, -1)
+        )
         gqa = self.heads != self.kv_heads
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer.input_norm)

@@ -36,13 +36,17 @@ def _bucket_collectives() -> dict:
     group = dist.new_group(list(range(WORLD)))  # a ProcessGroup, as megatron passes
     rank, size = group.rank(), group.size()
     reduce_scatter, all_gather = buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func
-    out = {"patched": bool(getattr(reduce_scatter, "_rlstack_gloo", False) and getattr(all_gather, "_rlstack_gloo", False))}
+    out = {
+        "patched": bool(getattr(reduce_scatter, "_rlstack_gloo", False) and getattr(all_gather, "_rlstack_gloo", False))
+    }
 
     # Grads: integer-valued floats, so any summation order gives the exact sum.
     gen = torch.Generator().manual_seed(rank)
     grads = torch.randint(-1000, 1000, (size * SHARD,), generator=gen).float()  # [size * SHARD]
-    expected = sum(torch.randint(-1000, 1000, (size * SHARD,), generator=torch.Generator().manual_seed(r)).float()
-                   for r in range(size))
+    expected = sum(
+        torch.randint(-1000, 1000, (size * SHARD,), generator=torch.Generator().manual_seed(r)).float()
+        for r in range(size)
+    )
     torch_way = grads.clone()
     before = _peak_mb()
     with _coalescing_manager(group, async_ops=False):  # as start_grad_sync calls it

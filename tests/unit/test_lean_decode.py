@@ -20,8 +20,16 @@ from rlstack.rollout.lean_decode import LeanDecoder
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed linears need oneDNN")
 
-_SHAPE = dict(vocab_size=97, hidden_size=96, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+_SHAPE = dict(
+    vocab_size=97,
+    hidden_size=96,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=64,
+)
 
 
 def _model(kind: str):
@@ -52,14 +60,19 @@ def test_lean_steps_equal_transformers_forward(kind):
     with torch.no_grad(), hf_engine._packed_linears(model, rows=3):
         lean = LeanDecoder(model)
         caches = [hf_engine._reserved_cache(model.config, capacity=12) for _ in range(2)]
-        logits = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c).logits[:, -1]
-                  for c in caches]
+        logits = [
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c).logits[:, -1] for c in caches
+        ]
         nxt = pos[:, -1] + 1
         for step in range(5):
             tok = logits[0].argmax(-1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            expected = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=nxt.unsqueeze(-1),
-                             past_key_values=caches[0]).logits[:, -1]
+            expected = model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=nxt.unsqueeze(-1),
+                past_key_values=caches[0],
+            ).logits[:, -1]
             got = lean.step(tok, nxt, mask, caches[1])
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
             logits, nxt = [expected, got], nxt + 1
