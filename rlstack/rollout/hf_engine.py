@@ -5,10 +5,12 @@ The model's parameters stay addressable, so the weight-sync bridge overwrites th
 processors, stopping criteria, full-vocabulary logits of every prompt position) costs more than the
 model on small CPUs. The loop here runs prefill once per distinct prompt with `logits_to_keep=1` (the
 KV cache copied to the prompt's n sample rows), then one token per step, and drops finished rows from
-the batch (and its KV cache) as they stop. Three costs of transformers' defaults are avoided (SmolLM2,
+the batch (and its KV cache) as they stop, keeping at least `_MIN_DECODE_ROWS`. Three costs of transformers' defaults are avoided (SmolLM2,
 16 rows x 64 tokens, one core: 211 -> 79 ms a step): the per-step `torch.cat` of the whole KV cache
 (`_reserved_cache`), the copy of K/V to every query head under a padding mask (`_sdpa_gqa_attention`),
-and F.linear's slow small-row matmuls on weights streamed from memory (`_packed_linears`).
+and F.linear's slow small-row matmuls on weights streamed from memory (`_packed_linears`). Llama,
+Qwen2 and Qwen3 decode steps then skip transformers' per-module overhead (`lean_decode.LeanDecoder`:
+88 -> 79 ms at 16 rows, 55 -> 49 ms at one).
 """
 
 from __future__ import annotations
