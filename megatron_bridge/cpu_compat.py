@@ -2,9 +2,10 @@
 
 Megatron-Core assumes CUDA in several ways (docs/megatron_core.md). Each patch below is applied only when no CUDA
 device is present and names its call sites (paths under `megatron/core/`, version 0.16.1). (a)-(h) change
-only calls that would otherwise raise (h also applies on a GPU without Transformer Engine); (i)-(k) replace
+only calls that would otherwise raise (h, and m below, also apply on a GPU without Transformer Engine); (i)-(k) replace
 eager CPU kernels (SwiGLU, RMSNorm, RoPE) with the same maths in fewer temporaries; (l) replaces gloo's
-reduce-scatter and all-gather of megatron's grad and param buffers with in-place collectives. `apply()` is idempotent;
+reduce-scatter and all-gather of megatron's grad and param buffers with in-place collectives; (m) lets
+megatron's output-discarding checkpoint (selective recompute) run without Transformer Engine. `apply()` is idempotent;
 `tests/unit/test_cpu_compat.py` checks each patch, and the distributed tests check the results against
 single-rank references.
 """
@@ -32,6 +33,7 @@ def apply() -> bool:
     if _APPLIED:
         return True
     _patch_moe_router_without_te()  # any machine without Transformer Engine, GPU or not
+    _patch_output_discarding_checkpoint_without_te()  # likewise
     if not needed():
         return False
     _patch_current_device()
@@ -164,6 +166,32 @@ def _patch_moe_router_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# (m) tensor_parallel/random.py `CheckpointWithoutOutput.__init__(self, fp8=False)` sets
+#     `self.fp8 = fp8 is not None`, which is True for the default False, so every output-discarding
+#     checkpoint (selective recompute "layernorm" at transformer/transformer_layer.py:577,672,
+#     "moe_act" at moe/experts.py:739, "mla_up_proj") takes its FP8 path and reads Transformer
+#     Engine's `FP8GlobalStateManager`, which is undefined without TE: NameError at the first
+#     forward. Without TE there is no FP8, so the flag is set to False, which is what the caller
+#     asked for.
+def _patch_output_discarding_checkpoint_without_te() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if getattr(tp_random, "HAVE_TE", True):
+        return
+    cls = tp_random.CheckpointWithoutOutput
+    if getattr(cls.__init__, "_rlstack_no_fp8", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def init(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = False
+
+    init._rlstack_no_fp8 = True
+    cls.__init__ = init
 
 
 # (i) fusions/fused_bias_swiglu.py decorates swiglu / swiglu_back (and the bias and weighted

@@ -35,6 +35,7 @@ from megatron_bridge.mappings import (
     to_global_name,
     to_local_name,
 )
+from megatron_bridge.models import Recompute
 
 WEIGHT_SUFFIXES = (
     ".safetensors",
@@ -243,7 +244,7 @@ def build_megatron_from_hf(
     groups,
     dtype: torch.dtype = torch.float32,
     value_head: bool = False,
-    recompute: bool = False,
+    recompute: Recompute = False,
     value_head_seed: int = 0,
 ):
     """This rank's pipeline stage of the HF model as a Megatron GPTModel -> (model, args).

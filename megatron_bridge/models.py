@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -20,16 +21,21 @@ log = logging.getLogger("megatron_bridge")
 
 _SPEC_LOGGED = False
 
+# False: no recompute; True: full; a tuple of megatron's selective recompute modules ("layernorm", ...)
+Recompute = Union[bool, tuple]
+
 
 def transformer_config(
     args: ModelArgs,
     tp: int,
     pp: int,
     dtype: torch.dtype = torch.float32,
-    recompute: bool = False,
+    recompute: Recompute = False,
     init_weights: bool = False,
     ep: int = 1,
 ):
+    """Megatron's TransformerConfig of `args` at TP x PP (x EP). `recompute`: False (none), True
+    (full recompute, uniform, one layer per checkpoint) or selective recompute's module names."""
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -73,10 +79,17 @@ def transformer_config(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        **recompute_settings(recompute),
     )
+
+
+def recompute_settings(recompute: Recompute) -> dict:
+    """TransformerConfig's recompute fields for `recompute` (see transformer_config)."""
+    if recompute is True:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute:
+        return dict(recompute_granularity="selective", recompute_modules=list(recompute))
+    return dict(recompute_granularity=None)
 
 
 def moe_config(args: ModelArgs, ep: int, tp: int = 1) -> dict:
@@ -334,7 +347,7 @@ def init_value_head_(head: ValueHead, seed: int = 0) -> None:
 
 
 def build_stage(
-    args: ModelArgs, groups, dtype: torch.dtype = torch.float32, recompute: bool = False, value_head: bool = False
+    args: ModelArgs, groups, dtype: torch.dtype = torch.float32, recompute: Recompute = False, value_head: bool = False
 ):
     """This rank's pipeline stage of the model at `groups`' TP x PP, weights not loaded."""
     tp, pp, ep = groups.dims.tp, groups.dims.pp, groups.dims.ep

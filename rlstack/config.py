@@ -35,6 +35,11 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
     cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
     gradient_checkpointing: bool = False  # megatron full activation recompute in training
+    # megatron's selective recompute instead (recompute_granularity=selective), a list of
+    # RECOMPUTE_MODULES: "layernorm" (the two norms' outputs rebuilt in backward: ~free),
+    # "mlp" (the dense MLP rebuilt: most of a layer's activations, ~25% more update time),
+    # "core_attn" (only the unfused attention's softmax is saved there), "moe" (MoE layers)
+    recompute_modules: list[str] = field(default_factory=list)
     # The actor's and reference's LM head multiplied inside the log-prob, chunk by chunk (verl's
     # use_fused_kernels): no [tokens, vocab] logits or gradient, one more chunked matmul in backward.
     fused_output_logprobs: bool = True
@@ -492,6 +497,7 @@ def check_values(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"'logging.trackers' has unknown tracker {name!r}: use {', '.join(TRACKERS)}")
     _check_positive(cfg)
     _check_ranges(cfg)
+    _check_recompute(cfg.model)
     _check_schedule_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
@@ -512,6 +518,24 @@ def check_values(cfg: ExperimentConfig) -> None:
             )
     if not cfg.data.train_files and not cfg.data.synthetic:
         raise ConfigError("no training data: set data.train_files=[...] or data.synthetic=arith")
+
+
+# megatron's selective recompute modules rlstack's models can use (TransformerConfig.recompute_modules;
+# "moe_act" needs grouped-GEMM experts and "mla_up_proj" MLA, which the bridge builds neither of)
+RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn", "moe")
+
+
+def _check_recompute(m: ModelConfig) -> None:
+    for name in m.recompute_modules:
+        if name not in RECOMPUTE_MODULES:
+            raise ConfigError(
+                f"'model.recompute_modules' has unknown module {name!r}: use {', '.join(map(repr, RECOMPUTE_MODULES))}"
+            )
+    if m.recompute_modules and m.gradient_checkpointing:
+        raise ConfigError(
+            "'model.recompute_modules' is selective recompute and 'model.gradient_checkpointing' full recompute: "
+            "set one of them (model.recompute_modules=[] or model.gradient_checkpointing=false)"
+        )
 
 
 def _check_positive(cfg: ExperimentConfig) -> None:

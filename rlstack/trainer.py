@@ -159,7 +159,9 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
     critic_optim = OptimSettings(
         lr=a.critic_lr, lr_warmup_steps=warmup_steps(a.critic_lr_warmup_steps, a.lr_warmup_ratio, total), **optim
     )
-    recompute, fused = cfg.model.gradient_checkpointing, cfg.model.fused_output_logprobs
+    # full recompute, megatron's selective modules, or none (config.py checks they are not both set)
+    recompute = cfg.model.gradient_checkpointing or tuple(cfg.model.recompute_modules)
+    fused = cfg.model.fused_output_logprobs
     actor = Actor(
         MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute, fused_output=fused),
         a,

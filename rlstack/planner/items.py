@@ -133,20 +133,27 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
     return items
 
 
+def _recompute_label(recompute: bool, selective: tuple) -> str:
+    if recompute:
+        return "recompute"
+    return f"recompute {'+'.join(selective)}" if selective else "no recompute"
+
+
 def activation_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
     """A trainable role's temporaries: its scoring forward (critic values, old log-probs) and its update."""
     recompute = cfg.model.gradient_checkpointing
+    selective = () if recompute else tuple(cfg.model.recompute_modules)  # full recompute takes them all
     mb, tp, e = s.train_mb, dims.tp, s.param_bytes
+    in_flight = s.in_flight if stage == 0 else 1
     train = m.training_activation_bytes(
-        shape, tp, dims.pp, mb, e, s.fused_attention, recompute, s.in_flight if stage == 0 else 1, s.lean_norm
+        shape, tp, dims.pp, mb, e, s.fused_attention, recompute, in_flight, s.lean_norm, selective
     )
     scores = value_head or s.needs_old_logprob
     fwd = m.forward_only_bytes(shape, tp, mb, e, s.fused_attention) if scores else 0
     items = [
         Item(
             role,
-            f"activations (micro-batch {mb.batch} x {mb.seq_len} tokens, "
-            f"{'recompute' if recompute else 'no recompute'})",
+            f"activations (micro-batch {mb.batch} x {mb.seq_len} tokens, {_recompute_label(recompute, selective)})",
             {"scoring": fwd, "update": train},
             transient=True,
         )

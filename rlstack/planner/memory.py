@@ -158,7 +158,13 @@ class Tokens:
 
 
 def layer_activation_bytes(
-    s: Shape, tp: int, mb: Tokens, act_bytes: int, fused_attention: bool, lean_norm: bool = False
+    s: Shape,
+    tp: int,
+    mb: Tokens,
+    act_bytes: int,
+    fused_attention: bool,
+    lean_norm: bool = False,
+    selective: tuple = (),
 ) -> int:
     """Tensors one layer saves for backward, for one micro-batch (no sequence parallel).
 
@@ -171,15 +177,25 @@ def layer_activation_bytes(
     with Transformer Engine) keeps only its output and a log-sum-exp per row. torch's RMSNorm also
     keeps its normalised input (h per norm); `lean_norm` (megatron_bridge.cpu_compat's LeanRMSNorm,
     fp32 on CPU) keeps only the input and rstd.
+
+    `selective` (model.recompute_modules, megatron's selective recompute) drops what each module
+    rebuilds in backward: "layernorm" the two norms' outputs and intermediates (their inputs stay,
+    as the checkpoint's), "mlp" / "moe" the dense / MoE MLP's tensors (its input stays: the norm's
+    output), "core_attn" the unfused attention's softmax (fused attention keeps nothing more than
+    the checkpoint's inputs q, k, v and the output, which the output projection saves anyway).
     """
     kv = s.kv_size if fused_attention else s.q_size
-    per_token = (4 * s.hidden_size + (2 * s.q_size + 2 * kv) // tp + 3 * s.active_ffn // tp) * act_bytes
-    if not lean_norm:
-        per_token += 2 * s.hidden_size * act_bytes  # the norms' normalised intermediates (torch RMSNorm)
+    norms = 2 * s.hidden_size if "layernorm" in selective else 4 * s.hidden_size
+    if not lean_norm and "layernorm" not in selective:
+        norms += 2 * s.hidden_size  # the norms' normalised intermediates (torch RMSNorm)
+    mlp = 3 * s.active_ffn // tp
     if s.num_experts:  # MoE: each token's top-k copies permuted to its experts and back (2 x k x h)
-        per_token += 2 * s.moe_topk * s.hidden_size * act_bytes
+        mlp += 2 * s.moe_topk * s.hidden_size
+    if ("moe" if s.num_experts else "mlp") in selective:
+        mlp = 0
+    per_token = (norms + (2 * s.q_size + 2 * kv) // tp + mlp) * act_bytes
     total = per_token * mb.count
-    if not fused_attention:
+    if not fused_attention and "core_attn" not in selective:
         total += attention_scores_bytes(s, tp, mb, act_bytes)
     return total
 
@@ -200,19 +216,25 @@ def training_activation_bytes(
     recompute: bool,
     in_flight: int,
     lean_norm: bool = False,
+    selective: tuple = (),
 ) -> int:
     """Activations a pipeline stage holds at the peak of backward.
 
     Without recompute every layer's saved tensors stay until its backward. With megatron's full
     uniform recompute (1 layer per checkpoint) only each layer's input [s, b, h] stays, and one
-    layer's tensors are rebuilt at a time. 1F1B keeps `in_flight` (min(micro-batches, pp))
-    micro-batches alive on the first stage. The embedding output and final norm add a few [s, b, h].
+    layer's tensors are rebuilt at a time; with selective recompute (`selective`) each layer keeps
+    the rest, and the recomputed part of one layer is rebuilt at a time. 1F1B keeps `in_flight`
+    (min(micro-batches, pp)) micro-batches alive on the first stage. The embedding output and final
+    norm add a few [s, b, h].
     """
     layers = s.num_layers // pp
     one_layer = layer_activation_bytes(s, tp, mb, act_bytes, fused_attention, lean_norm)
     hidden = mb.count * s.hidden_size * act_bytes  # one [s, b, h]
     if recompute:
         per_micro_batch = layers * hidden + one_layer
+    elif selective:
+        kept = layer_activation_bytes(s, tp, mb, act_bytes, fused_attention, lean_norm, selective)
+        per_micro_batch = layers * kept + (one_layer - kept)
     else:
         per_micro_batch = layers * one_layer
     return in_flight * (per_micro_batch + 3 * hidden)

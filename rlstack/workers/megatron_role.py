@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge.models import Recompute
 from megatron_bridge.parallel import ParallelGroups
 from rlstack import collectives
 from rlstack.workers.batch import MicroBatches, pack_micro_batches
@@ -115,7 +116,7 @@ class MegatronRole:
         dtype: torch.dtype,
         value_head: bool = False,
         optim: Optional[OptimSettings] = None,
-        recompute: bool = False,
+        recompute: Recompute = False,
         value_head_seed: int = 0,
         fused_output: bool = False,
     ):

@@ -60,11 +60,21 @@ def test_single_path_becomes_list():
         ("trainer.total_steps=0", "must be at least 1"),
         ("rollout.n", "is not key=value"),
         ("rollout=3", "must be a section"),
+        ("model.recompute_modules=[layernorm,attn]", "'model.recompute_modules' has unknown module 'attn'"),
     ],
 )
 def test_override_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config("yaml_configs/tiny_cpu.yaml", [override])
+
+
+def test_selective_and_full_recompute_are_one_choice():
+    cfg = load_config("yaml_configs/tiny_cpu.yaml", ["model.recompute_modules=[layernorm,mlp]"])
+    assert cfg.model.recompute_modules == ["layernorm", "mlp"]
+    with pytest.raises(ConfigError, match="set one of them"):
+        load_config(
+            "yaml_configs/tiny_cpu.yaml", ["model.recompute_modules=[mlp]", "model.gradient_checkpointing=true"]
+        )
 
 
 def test_yaml_errors(tmp_path):

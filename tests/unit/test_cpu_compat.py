@@ -169,3 +169,20 @@ def test_lean_rope_matches_megatrons_rope_in_float64():
     assert float((q.grad.double() - q64.grad).abs().max() / q64.grad.abs().max()) < 1e-6
     interleaved = rope(q.detach(), freqs, rotary_interleaved=True)  # not the lean path: the original's
     assert torch.equal(interleaved, original(q.detach(), freqs, rotary_interleaved=True))
+
+
+def test_output_discarding_checkpoint_runs_without_transformer_engine():
+    """(m): megatron's CheckpointWithoutOutput() took its FP8 path by default and read TE's names."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if tp_random.HAVE_TE:
+        pytest.skip("Transformer Engine installed: megatron's own path")
+    ckpt = tp_random.CheckpointWithoutOutput()
+    assert ckpt.fp8 is False
+    x = torch.randn(5, 3, requires_grad=True)
+    y = ckpt.checkpoint(torch.nn.functional.silu, x)  # computed without grad, input saved
+    out = (y * 2.0).sum()
+    ckpt.discard_output_and_register_recompute(out)
+    assert y.untyped_storage().nbytes() == 0  # released until backward rebuilds it
+    out.backward()
+    assert torch.allclose(x.grad, 2.0 * torch.func.grad(lambda t: torch.nn.functional.silu(t).sum())(x.detach()))

@@ -76,6 +76,22 @@ def test_activations_with_and_without_recompute():
     assert m.training_activation_bytes(S, 1, 1, mb, 2, True, recompute=False, in_flight=2) == 2 * full
 
 
+def test_selective_recompute_drops_what_it_rebuilds():
+    mb = m.Tokens(batch=2, seq_len=4)  # 8 tokens, bf16; per token without recompute: 240 (above)
+    # "layernorm": the norms' outputs (2h) and torch RMSNorm's normalised copies (2h) are rebuilt
+    assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("layernorm",)) == (240 - 64) * 8
+    assert m.layer_activation_bytes(S, 1, mb, 2, True, lean_norm=True, selective=("layernorm",)) == (240 - 64) * 8
+    # "mlp": fc1's output and the product (3f)
+    assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("mlp",)) == (240 - 96) * 8
+    # "core_attn": nothing more with fused attention; the softmax without
+    assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("core_attn",)) == 240 * 8
+    assert m.layer_activation_bytes(S, 1, mb, 2, False, selective=("core_attn",)) == 256 * 8
+    # every layer keeps the rest; one layer's rebuilt part is alive during its backward
+    hidden = 8 * 8 * 2
+    sel = m.training_activation_bytes(S, 1, 1, mb, 2, True, False, 1, selective=("mlp",))
+    assert sel == 2 * 144 * 8 + 96 * 8 + 3 * hidden
+
+
 def test_logprob_temporaries_and_kv_cache():
     mb = m.Tokens(batch=2, seq_len=4)
     # 8 x 128 logits: bf16 logits + their bf16 gradient, two fp32 chunks (here the whole micro-batch),
