@@ -310,7 +310,8 @@ def translate(verl: dict[str, Any]) -> Translation:
 def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
     """Keys whose translation depends on other keys; returns the verl keys handled here."""
     handled: set[str] = set()
-    for part in (_algorithm, _schedules, _batches_and_paths, _engine, _data_keys, _rewards, _trainer_keys):
+    parts = (_algorithm, _schedules, _batches_and_paths, _engine, _recompute, _data_keys, _rewards, _trainer_keys)
+    for part in parts:
         handled |= part(merged, given, t, src)
     return handled
 
@@ -424,6 +425,35 @@ def _engine(merged: dict, given: dict, t: Translation, src: Callable[[str], str]
     if merged.get("trainer.device", "cuda") != "cpu":
         t.set("model.dtype", "bfloat16", "verl trains and generates in bf16 on GPUs (set float32 on CPUs)")
     return handled
+
+
+OVERRIDE_TC = ACTOR + "megatron.override_transformer_config."
+
+
+def _recompute(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """verl's megatron activation recompute (`override_transformer_config.recompute_*`)."""
+    from rlstack.config import RECOMPUTE_MODULES
+
+    keys = {k[len(OVERRIDE_TC) :]: k for k in given if k.startswith(OVERRIDE_TC + "recompute_")}
+    if not keys:
+        return set()
+    granularity = given.get(keys.get("recompute_granularity", ""))
+    method, layers = given.get(keys.get("recompute_method", "")), given.get(keys.get("recompute_num_layers", ""))
+    if granularity == "full" and method in (None, "uniform") and layers in (None, 1):
+        t.set("model.gradient_checkpointing", True, src(keys["recompute_granularity"]))
+    elif granularity == "full":
+        why = "rlstack's full recompute checkpoints every layer (recompute_method=uniform, recompute_num_layers=1)"
+        t.unsupported.append((f"recompute_method={method} recompute_num_layers={layers}", why))
+    elif granularity == "selective":
+        # megatron's default module list is ["core_attn"]
+        modules = given.get(keys.get("recompute_modules", ""), ["core_attn"])
+        modules = [modules] if isinstance(modules, str) else list(modules)
+        known = [m for m in modules if m in RECOMPUTE_MODULES]
+        if known:
+            t.set("model.recompute_modules", known, src(keys.get("recompute_modules", keys["recompute_granularity"])))
+        for name in sorted(set(modules) - set(known)):
+            t.unsupported.append((f"recompute_modules: {name}", f"rlstack's modules: {', '.join(RECOMPUTE_MODULES)}"))
+    return set(keys.values())
 
 
 def _data_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:

@@ -193,6 +193,21 @@ def test_dynamic_batch_size_becomes_a_token_budget():
     assert "algorithm.max_tokens_per_micro_batch" not in off.values  # the budget without the flag is unused
 
 
+def test_megatron_recompute_overrides():
+    tc = "actor_rollout_ref.actor.megatron.override_transformer_config."
+    sel = from_verl.translate({tc + "recompute_granularity": "selective", tc + "recompute_modules": ["layernorm", "x"]})
+    assert sel.values["model.recompute_modules"] == ["layernorm"]
+    assert [item for item, _ in sel.unsupported if "recompute" in item] == ["recompute_modules: x"]
+    default = from_verl.translate({tc + "recompute_granularity": "selective"})
+    assert default.values["model.recompute_modules"] == ["core_attn"]  # megatron's default list
+    full = from_verl.translate({tc + "recompute_granularity": "full", tc + "recompute_method": "uniform"})
+    assert full.values["model.gradient_checkpointing"] is True
+    assert not any("recompute" in item for item, _ in full.unsupported)
+    blocks = from_verl.translate({tc + "recompute_granularity": "full", tc + "recompute_num_layers": 4})
+    assert "model.gradient_checkpointing" not in blocks.values
+    assert any("recompute_num_layers=4" in item for item, _ in blocks.unsupported)
+
+
 def test_total_epochs_without_readable_files_is_unsupported():
     t = from_verl.translate({"data.train_files": "/nowhere/train.parquet", "trainer.total_epochs": 2})
     assert "trainer.total_steps" not in t.values
