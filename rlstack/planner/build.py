@@ -192,12 +192,16 @@ def candidate_changes(cfg, plan_kv: KvReport, dims, device: str = "gpu") -> list
         out.append({"rollout.gpu_memory_utilization": plan_kv.recommended_share})
     if dims.dp > 1 and not cfg.parallel.use_distributed_optimizer:
         out.append({"parallel.use_distributed_optimizer": True})
+    modules = list(cfg.model.recompute_modules)
+    if not cfg.model.gradient_checkpointing and "layernorm" not in modules:
+        # the norms' outputs rebuilt in backward: two norms a layer, next to no time
+        out.append({"model.recompute_modules": modules + ["layernorm"]})
     mbs = cfg.algorithm.micro_batch_size
     while mbs > 1:
         mbs //= 2
         out.append({"algorithm.micro_batch_size": mbs})
     if not cfg.model.gradient_checkpointing:
-        out.append({"model.gradient_checkpointing": True})
+        out.append({"model.gradient_checkpointing": True, "model.recompute_modules": []})  # full takes all
     if device == "gpu":  # offload trades host<->GPU copies each step for memory; on CPU it saves nothing
         out += [{key: True} for key in offload_changes(cfg)]
     return out
@@ -227,6 +231,8 @@ def suggest_fix(cfg, dims, shape, args, device, budget, fused_attention) -> tupl
 
 
 def _fmt(value) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -262,3 +262,27 @@ def test_token_budget_sizes_the_training_micro_batch():
     dims = ParallelDims.resolve(1, 1, -1, 2)
     setting = derive_setting(cfg, dims, 8192, fused_attention=False)
     assert setting.train_mb.batch == 4 and setting.train_mb.seq_len == 256  # 1024 tokens of 256-token rows
+
+
+def test_selective_recompute_in_the_plan_and_its_suggestions():
+    from rlstack.planner.build import candidate_changes
+
+    def update_activations(*overrides):
+        cfg = load_config(CFG_7B, list(overrides))
+        plan = plan_for_config(cfg, 8, 80, device="gpu", model_config_file=QWEN_7B, suggest=False)
+        line = next(i for i in plan.items if i.role == "actor" and i.name.startswith("activations"))
+        return line.name, line.at("update")
+
+    name, none = update_activations()
+    sel_name, sel = update_activations("model.recompute_modules=[layernorm,mlp]")
+    full_name, full = update_activations("model.gradient_checkpointing=true")
+    assert "no recompute" in name and "recompute layernorm+mlp" in sel_name
+    assert full < sel < none
+    cfg = load_config(CFG_7B, [])
+    plan = plan_for_config(cfg, 8, 80, device="gpu", model_config_file=QWEN_7B, suggest=False)
+    dims = type("Dims", (), {"dp": plan.dp})
+    changes = candidate_changes(cfg, plan.kv, dims, "gpu")
+    keys = [next(iter(c)) for c in changes]
+    # the norms first (next to free), before any smaller micro-batch; full recompute clears the list
+    assert keys.index("model.recompute_modules") < keys.index("algorithm.micro_batch_size")
+    assert {"model.gradient_checkpointing": True, "model.recompute_modules": []} in changes
