@@ -88,6 +88,11 @@ def recompute_settings(recompute: Recompute) -> dict:
     if recompute is True:
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute:
+        if "layernorm" in recompute and torch.cuda.is_available() and _have_transformer_engine():
+            log.warning(
+                "model.recompute_modules: 'layernorm' rebuilds nothing with Transformer Engine's layer spec "
+                "(its norms are fused into the following linear, which keeps their output)"
+            )
         return dict(recompute_granularity="selective", recompute_modules=list(recompute))
     return dict(recompute_granularity=None)
 

@@ -193,8 +193,9 @@ def candidate_changes(cfg, plan_kv: KvReport, dims, device: str = "gpu") -> list
     if dims.dp > 1 and not cfg.parallel.use_distributed_optimizer:
         out.append({"parallel.use_distributed_optimizer": True})
     modules = list(cfg.model.recompute_modules)
-    if not cfg.model.gradient_checkpointing and "layernorm" not in modules:
-        # the norms' outputs rebuilt in backward: two norms a layer, next to no time
+    if device == "cpu" and not cfg.model.gradient_checkpointing and "layernorm" not in modules:
+        # the norms' outputs rebuilt in backward: two norms a layer, next to no time (not on GPUs, where
+        # Transformer Engine's layer spec fuses the norms into the linears and this rebuilds nothing)
         out.append({"model.recompute_modules": modules + ["layernorm"]})
     mbs = cfg.algorithm.micro_batch_size
     while mbs > 1:
