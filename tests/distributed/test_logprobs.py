@@ -242,6 +242,26 @@ def test_fused_output_matches_log_softmax_in_float64():
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
+def test_exp_floor_changes_nothing_where_exp_underflows(monkeypatch):
+    """Logits ~100 apart (most exp() underflow; targets far below the row max): raising exp's
+    inputs to -87 (a fast path of torch's exp) gives the values and gradients of the plain exp."""
+    from rlstack.workers import logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    hidden = hidden * 12.0  # x - max down to ~-115; targets up to ~63 below their row's max
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = logprobs.fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
+        return [lp, ent, *torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))]
+
+    clamped = run()
+    monkeypatch.setattr(logprobs, "_EXP_FLOOR", float("-inf"))
+    plain = run()
+    for got, want in zip(clamped, plain):
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-7
+
+
 def test_fused_output_adds_weight_gradient_into_main_grad():
     """With `main_grad` (megatron DDP's grad buffer), backward adds the weight's gradient into it and
     hands autograd none: the buffer gains what `weight.grad` would have been; hidden's gradient and
