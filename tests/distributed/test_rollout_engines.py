@@ -147,6 +147,36 @@ def test_hf_engine_greedy_matches_transformers(request, monkeypatch, ckpt):
     assert m["rollout/tokens"] == sum(len(g.response_ids) for g in gens) and m["rollout/tokens_per_s"] > 0
 
 
+def test_hf_engine_prefills_a_shared_prefix_once(monkeypatch, tiny_llama):
+    """Prompts with a common prefix (a chat template's system turn): the prefix runs once for all
+    prompts, then each prompt's rest; every row still matches its own unpadded transformers run."""
+    from rlstack.rollout import hf_engine
+
+    prefix = [5, 9, 14, 3, 7, 11, 30, 4, 8, 21]
+    prompts = [prefix + [12, 6, 40], prefix + [17], prefix + [33, 25, 9, 18, 6], prefix + [12, 6, 41]]
+    assert hf_engine._shared_prefix(prompts) == len(prefix)
+    assert hf_engine._shared_prefix(prompts[:1]) == 0 and hf_engine._shared_prefix([prefix, prefix + [1]]) == 9
+    assert hf_engine._shared_prefix([p[:7] + [99] for p in prompts]) == 0  # under _MIN_SHARED_PREFIX
+    engine = _hf_engine(tiny_llama, micro_batch_size=8)
+    lengths = []
+    forward = engine.model.forward
+
+    def counted(*args, **kwargs):
+        lengths.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", counted)
+    gens = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6, n=2))
+    monkeypatch.undo()
+    assert lengths[:2] == [(1, len(prefix)), (len(prompts), 5)]  # the prefix once, then the rests
+    for g in gens:
+        ref = engine.model.generate(
+            torch.tensor([g.prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2
+        )[0, len(g.prompt_ids) :].tolist()
+        assert g.response_ids == ref[: len(g.response_ids)]
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(engine.model, g), rtol=0, atol=TOL)
+
+
 def test_hf_engine_stops_at_eos_and_keeps_it(tiny_qwen2):
     probe = _hf_engine(tiny_qwen2).generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=8))
     eos = probe[0].response_ids[2]  # a token prompt 0 produces greedily becomes the end of sequence
