@@ -3,7 +3,8 @@
     python benchmarks/device_check.py --mode gpu --config C --nproc N --out-dir D [key=value ...]
 
 1. collectives: every rlstack.collectives helper on every group (NCCL + gloo on a GPU, gloo on CPU);
-2. train: bf16 PPO steps (actor, critic and reference), a dist checkpoint saved mid-run; each step's
+2. train: bf16 PPO steps (actor, critic and reference; the norms recomputed in backward), a dist
+   checkpoint saved mid-run; each step's
    weight sync into the rollout engine ran (sync/bytes > 0) and the engine's log-probs agree with
    the actor's (the parity check) within the bf16 tolerance; every metric is finite;
 3. resume: a fresh run loads that checkpoint and repeats the first run's later steps (exactly on
@@ -17,7 +18,6 @@ Writes device_check.json into the output folder and prints one line per check; e
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -33,6 +33,10 @@ if ROOT not in sys.path:
 # token's mean |difference| stays well under it when both sides hold the same weights; a stale or
 # misplaced sync gives differences of order 1.
 BF16_LOGPROB_ATOL = 5e-2
+# The training run's settings, for the planner too: PPO (actor, critic, reference) in bf16, and the
+# norms' selective recompute (megatron's output-discarding checkpoint, which needs cpu_compat (m)
+# without Transformer Engine, on a GPU as on CPU)
+TRAIN_SETTINGS = ("algorithm.name=ppo", "model.dtype=bfloat16", "model.recompute_modules=[layernorm]")
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "time/")
 
 
@@ -115,8 +119,7 @@ def train(args, out: str, env: dict, extra: list[str], log_name: str) -> tuple[i
         "trainer.val_before_train=false",
         "trainer.val_after_train=false",
         "trainer.val_every=0",
-        "algorithm.name=ppo",
-        "model.dtype=bfloat16",
+        *TRAIN_SETTINGS,
         *args.overrides,
         *extra,
     ]
@@ -220,8 +223,7 @@ def check_planner(args, checks: Checks, rows: list[dict], env: dict) -> None:
         "rlstack.plan",
         "--config",
         args.config,
-        "algorithm.name=ppo",
-        "model.dtype=bfloat16",
+        *TRAIN_SETTINGS,
         *args.overrides,
         "--world-size",
         str(args.nproc),
@@ -231,8 +233,8 @@ def check_planner(args, checks: Checks, rows: list[dict], env: dict) -> None:
         args.mode,
         "--json",
     ]
-    if args.mode == "gpu" and importlib.util.find_spec("transformer_engine") is None:
-        cmd.append("--unfused-attention")  # megatron's local spec materialises attention scores
+    # no --unfused-attention: without Transformer Engine the local spec runs rlstack's SDPA core
+    # attention (megatron_bridge/sdpa_attention.py), which keeps no attention scores either
     rc, text = _run(cmd, os.path.join(args.out_dir, "plan.log"), env, 300)
     measured = measured_peak_gib(rows, args.mode)
     predicted = _plan_peak_gib(text)

@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--unfused-attention",
         action="store_true",
-        help="GPU without Transformer Engine: megatron's local spec materialises attention scores",
+        help="plan megatron's unfused DotProductAttention (attention scores kept); rlstack's specs never use it "
+        "(SDPA core attention without Transformer Engine, TE's fused attention with it)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_args(argv)
