@@ -21,8 +21,10 @@ log = logging.getLogger("megatron_bridge")
 
 _SPEC_LOGGED = False
 
-# False: no recompute; True: full; a tuple of megatron's selective recompute modules ("layernorm", ...)
+# False: no recompute; True: full; a tuple of megatron's selective recompute modules ("layernorm", ...),
+# and rlstack's ACT_RECOMPUTE (megatron_bridge/act_recompute.py)
 Recompute = Union[bool, tuple]
+ACT_RECOMPUTE = "mlp_act"
 
 
 def transformer_config(
@@ -87,13 +89,14 @@ def recompute_settings(recompute: Recompute) -> dict:
     """TransformerConfig's recompute fields for `recompute` (see transformer_config)."""
     if recompute is True:
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if recompute:
-        if "layernorm" in recompute and torch.cuda.is_available() and _have_transformer_engine():
+    modules = [m for m in recompute or () if m != ACT_RECOMPUTE]  # megatron's own (ACT_RECOMPUTE: build_stage)
+    if modules:
+        if "layernorm" in modules and torch.cuda.is_available() and _have_transformer_engine():
             log.warning(
                 "model.recompute_modules: 'layernorm' rebuilds nothing with Transformer Engine's layer spec "
                 "(its norms are fused into the following linear, which keeps their output)"
             )
-        return dict(recompute_granularity="selective", recompute_modules=list(recompute))
+        return dict(recompute_granularity="selective", recompute_modules=modules)
     return dict(recompute_granularity=None)
 
 
@@ -357,7 +360,7 @@ def build_stage(
     """This rank's pipeline stage of the model at `groups`' TP x PP, weights not loaded."""
     tp, pp, ep = groups.dims.tp, groups.dims.pp, groups.dims.ep
     config = transformer_config(args, tp, pp, dtype=dtype, recompute=recompute, ep=ep)
-    return build_gpt(
+    model = build_gpt(
         args,
         config,
         pre_process=groups.is_first_stage,
@@ -365,3 +368,8 @@ def build_stage(
         padded_vocab=args.padded_vocab_size(tp),
         value_head=value_head,
     )
+    if recompute is not True and recompute and ACT_RECOMPUTE in recompute:
+        from megatron_bridge import act_recompute
+
+        act_recompute.enable(model)
+    return model

@@ -38,7 +38,8 @@ class ModelConfig:
     # megatron's selective recompute instead (recompute_granularity=selective), a list of
     # RECOMPUTE_MODULES: "layernorm" (the two norms' outputs rebuilt in backward: ~free),
     # "mlp" (the dense MLP rebuilt: most of a layer's activations; SmolLM2: ~8% more update time),
-    # "core_attn" (only the unfused attention's softmax is saved there), "moe" (MoE layers)
+    # "core_attn" (only the unfused attention's softmax is saved there), "moe" (MoE layers), and
+    # rlstack's "mlp_act" (the dense MLP's SwiGLU product rebuilt from fc1's output: one SwiGLU again)
     recompute_modules: list[str] = field(default_factory=list)
     # The actor's and reference's LM head multiplied inside the log-prob, chunk by chunk (verl's
     # use_fused_kernels): no [tokens, vocab] logits or gradient, one more chunked matmul in backward.
@@ -521,8 +522,9 @@ def check_values(cfg: ExperimentConfig) -> None:
 
 
 # megatron's selective recompute modules rlstack's models can use (TransformerConfig.recompute_modules;
-# "moe_act" needs grouped-GEMM experts and "mla_up_proj" MLA, which the bridge builds neither of)
-RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn", "moe")
+# "moe_act" needs grouped-GEMM experts and "mla_up_proj" MLA, which the bridge builds neither of),
+# and rlstack's "mlp_act" (the dense MLP's SwiGLU product: megatron_bridge/act_recompute.py)
+RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn", "moe", "mlp_act")
 
 
 def _check_recompute(m: ModelConfig) -> None:

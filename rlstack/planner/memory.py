@@ -181,7 +181,7 @@ def layer_activation_bytes(
     `selective` (model.recompute_modules, megatron's selective recompute) drops what each module
     rebuilds in backward: "layernorm" the two norms' outputs and intermediates (their inputs stay,
     as the checkpoint's), "mlp" / "moe" the dense / MoE MLP's tensors (its input stays: the norm's
-    output), "core_attn" the unfused attention's softmax (fused attention keeps nothing more than
+    output), "mlp_act" (rlstack's) the dense MLP's SwiGLU product, "core_attn" the unfused attention's softmax (fused attention keeps nothing more than
     the checkpoint's inputs q, k, v and the output, which the output projection saves anyway).
     """
     kv = s.kv_size if fused_attention else s.q_size
@@ -193,6 +193,8 @@ def layer_activation_bytes(
         mlp += 2 * s.moe_topk * s.hidden_size
     if ("moe" if s.num_experts else "mlp") in selective:
         mlp = 0
+    elif "mlp_act" in selective and not s.num_experts:
+        mlp -= s.active_ffn // tp  # the SwiGLU product, rebuilt from fc1's output
     per_token = (norms + (2 * s.q_size + 2 * kv) // tp + mlp) * act_bytes
     total = per_token * mb.count
     if not fused_attention and "core_attn" not in selective:

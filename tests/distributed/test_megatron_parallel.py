@@ -157,7 +157,9 @@ def test_reference_step_changes_weights(tiny_llama, reference):
     assert abs(reference["grad_norm"] - full_norm) < 1e-5 * full_norm
 
 
-@pytest.mark.parametrize("recompute", [True, ("layernorm", "mlp")], ids=["full", "selective"])
+@pytest.mark.parametrize(
+    "recompute", [True, ("layernorm", "mlp"), ("layernorm", "mlp_act")], ids=["full", "selective", "mlp_act"]
+)
 def test_recompute_gives_the_same_step(tiny_llama, reference, recompute):
     """model.gradient_checkpointing (megatron's full recompute) and model.recompute_modules
     (selective: the norms' outputs discarded and rebuilt, cpu_compat (m); the MLP checkpointed)
@@ -169,8 +171,9 @@ def test_recompute_gives_the_same_step(tiny_llama, reference, recompute):
             assert torch.equal(result[kind][name], expected), (kind, name)
 
 
-def test_selective_recompute_tp2_fused_head(tiny_llama, reference):
-    """Selective recompute across TP (the MLP's row-parallel all-reduce re-run in backward) with the
-    fused LM head: the single-rank step."""
-    result = run_distributed(_train_one_step, 2, tiny_llama, 2, 1, False, "sgd", True, ("layernorm", "mlp"))[0]
+@pytest.mark.parametrize("modules", [("layernorm", "mlp"), ("mlp_act",)])
+def test_selective_recompute_tp2_fused_head(tiny_llama, reference, modules):
+    """Selective recompute across TP (the MLP's row-parallel all-reduce re-run in backward; the
+    product's recompute hooked on fc2's all-reduced output) with the fused LM head: the single-rank step."""
+    result = run_distributed(_train_one_step, 2, tiny_llama, 2, 1, False, "sgd", True, modules)[0]
     _assert_close(result, reference)

@@ -50,7 +50,9 @@ def _saved_bytes_at_end_of_forward(hf_dir: str, settings: list) -> list[int]:
     return results
 
 
-@pytest.mark.parametrize("modules", [("layernorm",), ("mlp",), ("layernorm", "mlp")])
+@pytest.mark.parametrize(
+    "modules", [("layernorm",), ("mlp",), ("layernorm", "mlp"), ("mlp_act",), ("layernorm", "mlp_act")]
+)
 def test_saved_activations_shrink_as_planned(tiny_llama, modules):
     from megatron_bridge.hf import read_model_args
     from rlstack.planner import memory as m

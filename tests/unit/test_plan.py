@@ -83,6 +83,8 @@ def test_selective_recompute_drops_what_it_rebuilds():
     assert m.layer_activation_bytes(S, 1, mb, 2, True, lean_norm=True, selective=("layernorm",)) == (240 - 64) * 8
     # "mlp": fc1's output and the product (3f)
     assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("mlp",)) == (240 - 96) * 8
+    # "mlp_act": the SwiGLU product (f) only
+    assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("mlp_act",)) == (240 - 32) * 8
     # "core_attn": nothing more with fused attention; the softmax without
     assert m.layer_activation_bytes(S, 1, mb, 2, True, selective=("core_attn",)) == 240 * 8
     assert m.layer_activation_bytes(S, 1, mb, 2, False, selective=("core_attn",)) == 256 * 8
