@@ -368,7 +368,7 @@ def build_stage(
         padded_vocab=args.padded_vocab_size(tp),
         value_head=value_head,
     )
-    if recompute is not True and recompute and ACT_RECOMPUTE in recompute:
+    if recompute is not True and recompute and ACT_RECOMPUTE in recompute and "mlp" not in recompute:
         from megatron_bridge import act_recompute
 
         act_recompute.enable(model)

@@ -533,6 +533,8 @@ def _check_recompute(m: ModelConfig) -> None:
             raise ConfigError(
                 f"'model.recompute_modules' has unknown module {name!r}: use {', '.join(map(repr, RECOMPUTE_MODULES))}"
             )
+    if {"mlp", "mlp_act"} <= set(m.recompute_modules):
+        raise ConfigError("'model.recompute_modules' has 'mlp' and 'mlp_act': 'mlp' rebuilds the whole MLP, keep one")
     if m.recompute_modules and m.gradient_checkpointing:
         raise ConfigError(
             "'model.recompute_modules' is selective recompute and 'model.gradient_checkpointing' full recompute: "

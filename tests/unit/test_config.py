@@ -71,6 +71,8 @@ def test_override_errors(override, message):
 def test_selective_and_full_recompute_are_one_choice():
     cfg = load_config("yaml_configs/tiny_cpu.yaml", ["model.recompute_modules=[layernorm,mlp]"])
     assert cfg.model.recompute_modules == ["layernorm", "mlp"]
+    with pytest.raises(ConfigError, match="'mlp' rebuilds the whole MLP, keep one"):
+        load_config("yaml_configs/tiny_cpu.yaml", ["model.recompute_modules=[mlp,mlp_act]"])
     with pytest.raises(ConfigError, match="set one of them"):
         load_config(
             "yaml_configs/tiny_cpu.yaml", ["model.recompute_modules=[mlp]", "model.gradient_checkpointing=true"]

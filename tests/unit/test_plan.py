@@ -285,8 +285,12 @@ def test_selective_recompute_in_the_plan_and_its_suggestions():
     dims = type("Dims", (), {"dp": plan.dp})
     changes = candidate_changes(cfg, plan.kv, dims, "cpu")
     keys = [next(iter(c)) for c in changes]
-    # on CPU the norms first (next to free), before any smaller micro-batch; full recompute clears the list
-    assert keys.index("model.recompute_modules") < keys.index("algorithm.micro_batch_size")
+    # on CPU the norms first (next to free), then the SwiGLU product, before any smaller micro-batch;
+    # full recompute clears the list
+    assert changes[keys.index("model.recompute_modules")] == {"model.recompute_modules": ["layernorm"]}
+    assert {"model.recompute_modules": ["layernorm", "mlp_act"]} in changes
+    assert len(keys) - keys[::-1].index("model.recompute_modules") - 1 < keys.index("algorithm.micro_batch_size")
     assert {"model.gradient_checkpointing": True, "model.recompute_modules": []} in changes
-    # on GPUs TE's layer spec fuses the norms into the linears: not suggested there
-    assert "model.recompute_modules" not in [next(iter(c)) for c in candidate_changes(cfg, plan.kv, dims, "gpu")]
+    # on GPUs TE's layer spec fuses the norms into the linears: only the product is suggested there
+    gpu = candidate_changes(cfg, plan.kv, dims, "gpu")
+    assert [c for c in gpu if next(iter(c)) == "model.recompute_modules"] == [{"model.recompute_modules": ["mlp_act"]}]
