@@ -31,6 +31,8 @@ def enable(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is not MLP or getattr(module, "_rlstack_act_recompute", False):
             continue
+        if getattr(module.linear_fc2, "is_expert", False):  # MoE experts: their own path (per-token scale)
+            continue
         cfg = module.config
         if not (
             cfg.gated_linear_unit and cfg.bias_activation_fusion and cfg.activation_func is torch.nn.functional.silu
