@@ -136,8 +136,12 @@ def test_stalled_rank_is_named(tmp_path):
     victim = None
     try:
         wait_for(lambda: metrics_lines(out) >= 2, what="two steps")
-        victim = rank_process(proc.pid, 1)
+        first, victim = rank_process(proc.pid, 0), rank_process(proc.pid, 1)
         victim.send_signal(signal.SIGSTOP)
+        # Rank 0 names the silent rank and exits. A stopped process cannot take torchrun's SIGTERM
+        # (torchrun would wait 30 s for it before its SIGKILL): the test kills it once rank 0 is gone.
+        first.wait(timeout=240)
+        victim.kill()
         text = finish(proc, timeout=240)
     finally:
         if victim is not None:
