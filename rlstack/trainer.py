@@ -41,6 +41,13 @@ from rlstack.workers.step_metrics import reduce_stats
 
 log = logging.getLogger("rlstack")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The engine's counters a step logs (rank 0's; docs/rollout.md).
+_ENGINE_METRICS = (
+    "rollout/packed_weight_bytes",
+    "rollout/decode_steps",
+    "rollout/decode_rows_mean",
+    "rollout/decode_live_share",
+)
 
 
 @dataclass
@@ -272,7 +279,9 @@ class Trainer:
         self._enter("rollout")  # offload: after the sync, before generation
         t0 = time.perf_counter()
         global_prompts = [self.train_set[i] for i in self.sampler.next_global_batch()]
+        self.engine.metrics()  # its counters from here on: this rollout's (the sync check, validation generate too)
         gens, gen_tokens = self.generate(global_prompts, greedy=False)
+        engine_metrics = self._engine_metrics()
         prompts, gens = stages.dp_share(global_prompts, gens, g, cfg.trainer.balance_batch)
         timings["timing/rollout_s"] = time.perf_counter() - t0
 
@@ -299,7 +308,7 @@ class Trainer:
         metrics.update(timings)
         metrics.update(sync_stats.as_metrics())
         metrics.update(self._rollout_metrics(scores, gens, gen_tokens, timings))
-        metrics.update(self._engine_memory())
+        metrics.update(engine_metrics)
         return self._finish_step(metrics)
 
     def _finish_step(self, metrics: dict) -> dict:
@@ -319,10 +328,11 @@ class Trainer:
         host_memory.trim_heap()
         self.phase_memory.enter(phase)
 
-    def _engine_memory(self) -> dict:
-        """Weight bytes the engine held beyond its synced tensors while generating (hf: packed copies)."""
-        engine_metrics = self.engine.metrics() or {}  # counters since the last call: this step's rollout
-        return {k: v for k, v in engine_metrics.items() if k == "rollout/packed_weight_bytes"}
+    def _engine_metrics(self) -> dict:
+        """This rank's engine since its last `metrics()` call: weight bytes held beyond its synced tensors
+        while generating (hf: packed copies), and how full its decode steps ran (hf)."""
+        engine_metrics = self.engine.metrics() or {}
+        return {k: v for k, v in engine_metrics.items() if k in _ENGINE_METRICS}
 
     def _split_train_step(self, dry_run: bool) -> dict:
         """Split placement (rlstack/placement.py): the batch comes from the rollout ranks.

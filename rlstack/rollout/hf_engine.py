@@ -190,6 +190,8 @@ class _Counters:
     sequences: int = 0
     seconds: float = 0.0
     packed_bytes: int = 0  # the largest oneDNN weight copy held during a generate() (rollout.pack_weights)
+    decode_steps: int = 0  # forwards of one token a row, after each batch's prefill
+    decode_rows: int = 0  # rows those forwards carried, summed: live ones and stopped ones kept
 
 
 class HFEngine(RolloutEngine):
@@ -330,6 +332,8 @@ class HFEngine(RolloutEngine):
                     use_cache=True,
                 ).logits[:, -1]  # [b, V]
             next_pos = next_pos + 1
+            self._counters.decode_steps += 1
+            self._counters.decode_rows += len(tok)
         return [
             self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b])) for b in range(batch)
         ]
@@ -385,4 +389,18 @@ class HFEngine(RolloutEngine):
             "rollout/seconds": c.seconds,
             "rollout/tokens_per_s": c.tokens / c.seconds if c.seconds > 0 else 0.0,
             "rollout/packed_weight_bytes": c.packed_bytes,
+            **self._decode_metrics(c),
+        }
+
+    @staticmethod
+    def _decode_metrics(c: _Counters) -> dict:
+        """How full the decode steps ran. A response's first token comes from its prefill, each later one
+        from one decode step: live rows summed over the steps = tokens - sequences. The rest of
+        `decode_rows` are stopped rows decoded on (`_MIN_DECODE_ROWS`, compaction's threshold)."""
+        if c.decode_steps == 0:
+            return {"rollout/decode_steps": 0}
+        return {
+            "rollout/decode_steps": c.decode_steps,
+            "rollout/decode_rows_mean": c.decode_rows / c.decode_steps,
+            "rollout/decode_live_share": (c.tokens - c.sequences) / c.decode_rows,
         }

@@ -70,6 +70,23 @@ def test_any_batch_size_trains(tmp_path, tiny_cache):
     assert len(results[0]) == 6
 
 
+def _decode_metrics(out_dir, cache):
+    """Two steps whose sync check generates a probe batch (greedy, 5 decode steps) before each rollout."""
+    overrides = ["rollout.max_new_tokens=6", "rollout.verify_sync=1", "data.train_batch_size=4"]
+    _, trainer = _trainer(overrides, out_dir, cache)
+    steps = [trainer.train_step() for _ in range(2)]
+    trainer.engine.close()
+    return [{k: v for k, v in m.items() if k.startswith("rollout/decode")} for m in steps]
+
+
+def test_decode_metrics_are_the_rollouts_own(tmp_path, tiny_cache):
+    """The step logs how full its rollout's decode steps ran (hf engine), not the probe's or validation's."""
+    for metrics in run_distributed(_decode_metrics, 2, str(tmp_path), tiny_cache, timeout=300):
+        for m in metrics:  # 4 prompts x 16 samples over 2 ranks: 32 rows a rank, one generate() each
+            assert 1 <= m["rollout/decode_steps"] <= 5, m  # at most max_new_tokens - 1: the probe's are not in it
+            assert 0 < m["rollout/decode_live_share"] <= 1 and 1 <= m["rollout/decode_rows_mean"] <= 32, m
+
+
 def _ppo_step(out_dir, cache):
     """One PPO step: (actor changed, critic changed, loss terms of the step)."""
     import torch

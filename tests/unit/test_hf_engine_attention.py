@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from rlstack.rollout import hf_engine
+from rlstack.rollout import hf_engine, lean_decode
 
 
 def _models():
@@ -117,3 +119,44 @@ def test_compaction_keeps_at_least_min_decode_rows():
     assert hf_engine.HFEngine._rows_to_keep(torch.tensor([True, False])).tolist() == [0, 1]  # never past the batch
     live = torch.tensor([True] * 6 + [False] * 2)
     assert hf_engine.HFEngine._rows_to_keep(live).tolist() == list(range(6))  # enough live rows: only those
+
+
+def _engine(tmp_path, eos: int):
+    from types import SimpleNamespace
+
+    _, model = _models()
+    model.save_pretrained(tmp_path)
+    cfg = SimpleNamespace(micro_batch_size=8, pack_weights=True)
+    return hf_engine.HFEngine(str(tmp_path), cfg, "cpu", eos_token_id=eos, pad_token_id=0)
+
+
+def test_decode_metrics_count_the_rows_each_step_carried(tmp_path, monkeypatch):
+    from rlstack.rollout.base import SamplingParams
+
+    prompts = [[5 + i, 17, 30 + 3 * i, 41, 60 - i] for i in range(6)]  # 6 rows, greedy: one answer each
+    params = SamplingParams(greedy=True, max_new_tokens=12)
+    engine = _engine(tmp_path / "never", eos=-1)  # no token stops a row: every step carries all 6
+    free = engine.generate(prompts, params)
+    m = engine.metrics()
+    assert m["rollout/decode_steps"] == 11  # the first token of each row comes from the prefill
+    assert m["rollout/decode_rows_mean"] == 6 and m["rollout/decode_live_share"] == 1.0
+
+    # As EOS, the token most rows emit: each such row stops at its first one, the others run to the end.
+    counts = collections.Counter(t for g in free for t in set(g.response_ids))
+    eos = max(sorted(counts), key=counts.get)
+    engine = _engine(tmp_path / "stops", eos=eos)
+    carried = []  # rows of each decode forward, seen from outside the engine's counters
+    step = lean_decode.LeanDecoder.step
+    monkeypatch.setattr(
+        lean_decode.LeanDecoder, "step", lambda self, t, *a: carried.append(len(t)) or step(self, t, *a)
+    )
+    gens = engine.generate(prompts, params)
+    lengths = [len(g.response_ids) for g in gens]
+    assert lengths == [(g.response_ids.index(eos) + 1) if eos in g.response_ids else 12 for g in free]
+    assert 1 < counts[eos] < 6 and min(lengths) < max(lengths), lengths  # rows of different lengths
+    m = engine.metrics()
+    assert m["rollout/decode_steps"] == len(carried) == max(lengths) - 1
+    assert m["rollout/decode_rows_mean"] == sum(carried) / len(carried) < 6  # stopped rows left the batch
+    live = sum(lengths) - len(lengths)  # decoded rows that were still generating
+    assert m["rollout/decode_live_share"] == live / sum(carried) < 1.0  # a stopped row kept to _MIN_DECODE_ROWS
+    assert engine.metrics()["rollout/decode_steps"] == 0  # read once: the counters start again
