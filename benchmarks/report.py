@@ -99,6 +99,18 @@ def main_table(results: dict, f: dict) -> list[str]:
             _frac(f, "fraction/rollout_in_step"),
         )
     )
+    if "rollout/decode_rows_mean" in f:  # the hf engine's counters: how full its decode steps ran
+        lines.append(
+            _row("&nbsp;&nbsp;decode steps of the rollout (rank 0)", *fmt_stat(f["rollout/decode_steps"]), "", "")
+        )
+        lines.append(
+            _row(
+                "&nbsp;&nbsp;rows a decode step carried, mean (rank 0); share still generating",
+                *fmt_stat(f["rollout/decode_rows_mean"]),
+                "",
+                _frac(f, "rollout/decode_live_share"),
+            )
+        )
     for role, name in (("actor_fwd", "actor forward"), ("critic_fwd", "critic forward")):
         if isinstance(stages, dict) and role in stages:
             lines.append(

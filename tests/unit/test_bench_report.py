@@ -111,6 +111,9 @@ def _step(step_s, **extra):
         "sync/seconds": 1.0,
         "sync/bytes": 1000,
         "response/length_mean": 2.0,
+        "rollout/decode_steps": 63,
+        "rollout/decode_rows_mean": 6.5,
+        "rollout/decode_live_share": 0.8,
     }
     return {**row, **extra}
 
@@ -323,6 +326,9 @@ def test_markdown_holds_every_figure():
     assert "| peak memory, all processes (RSS) | as configured | 4.00 GiB | 10.00 GiB | 0.40x |" in text
     assert "| GRPO step time / TRL's | <= 0.6 | 0.5 | yes |" in text
     assert "- cpu: test cpu" in text
+    assert "| &nbsp;&nbsp;decode steps of the rollout (rank 0) | 63 |" in text
+    assert "| &nbsp;&nbsp;rows a decode step carried, mean (rank 0); share still generating | 6.5 |" in text
+    assert "| 80.0% (80.0%–80.0%) |" in text
 
 
 def test_number_formats():
