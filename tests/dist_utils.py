@@ -13,10 +13,12 @@ still gets the caller's environment as it is at the call, as a spawned one would
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import socket
 import traceback
 
@@ -27,6 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_SHM = "/dev/shm"
 # What the fork server imports before it forks any rank.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers"]
 
@@ -74,9 +77,25 @@ def _entry(fn, rank, world_size, port, results, args, caller_env, env):
             dist.destroy_process_group()
 
 
+def _shm_names() -> set:
+    return set(os.listdir(_SHM)) if os.path.isdir(_SHM) else set()
+
+
+def _remove_shm_left_behind(before: set) -> None:
+    """vLLM's CPU communicator (rollout TP > 1) names its shared-memory segments after the group, the
+    same in every test ("-tp:0-[0-1]-cpushm_<rank>"), and unlinks them in a C++ destructor at
+    interpreter exit. A forked rank ends with os._exit, so that never runs, and the next TP > 1 vLLM
+    world would fail to create them (errno 17, EEXIST): the segments its ranks left are removed."""
+    for name in _shm_names() - before:
+        if re.search(r"cpushm_\d+$", name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_SHM, name))
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dict | None = None) -> list:
     ctx = _context()
     results = ctx.Queue()
+    shm_before = _shm_names()
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, dict(os.environ), env), daemon=False)
@@ -101,6 +120,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, env: dic
             if p.is_alive():
                 p.kill()
                 p.join()
+        _remove_shm_left_behind(shm_before)
     if errors:
         raise AssertionError("\n".join(errors))
     return [by_rank[r] for r in range(world_size)]
