@@ -413,21 +413,28 @@ class Checkpointer:
             copy_side_files(sources[name], os.path.join(tmp, HF_SOURCE, name))
 
     def _publish(self, tmp: str, final: str) -> None:
-        if os.path.exists(final):  # a re-run of this step after a resume from an older checkpoint
-            shutil.rmtree(final)
+        replaced = None
+        if os.path.exists(final):  # a re-run of this step after a resume from an older checkpoint:
+            replaced = final + ".replaced"  # kept until the new one is in place
+            os.rename(final, replaced)
         os.rename(tmp, final)
         latest_tmp = os.path.join(self.root, LATEST + ".tmp")
         with open(latest_tmp, "w") as f:
             f.write(os.path.basename(final) + "\n")
         os.replace(latest_tmp, os.path.join(self.root, LATEST))
-        self._prune()
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        self._prune(final)
 
-    def _prune(self) -> None:
+    def _prune(self, latest: str) -> None:
+        """Keep `latest` (the checkpoint just published) and the newest keep_last - 1 others; never
+        `latest` itself, even when newer-numbered checkpoints of an abandoned branch exist."""
         keep = self.cfg.checkpoint.keep_last
         if keep <= 0:
             return
         complete = [path for _, path in list_checkpoints(self.root) if os.path.isfile(os.path.join(path, MARKER))]
-        for path in complete[keep:]:
+        others = [path for path in complete if os.path.abspath(path) != os.path.abspath(latest)]
+        for path in others[keep - 1 :]:
             shutil.rmtree(path, ignore_errors=True)
             log.info("checkpoint.keep_last=%d: removed %s", keep, path)
 

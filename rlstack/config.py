@@ -316,7 +316,9 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found: pass an existing YAML file to --config")
     except UnicodeDecodeError:
@@ -330,6 +332,27 @@ def _read_yaml(path: str) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections (model:, rollout:, ...)")
     return raw
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names one key twice; YAML would silently keep the last."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (a second `trainer:` block would
+    otherwise replace the whole section, and a repeated `actor_lr` would win silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(
+                    f"key '{key}' is given twice (line {seen[key]} and line {line}): keep one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_override(item: str) -> tuple[str, Any]:

@@ -9,7 +9,9 @@ import random
 log = logging.getLogger("rlstack")
 
 
-def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "") -> int:
+def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "", overwrite=None) -> int:
+    """`overwrite` (rank 0: rlstack.run_dir's guard) sets an earlier run aside once the run starts and
+    is told when the first checkpoint is saved; None on other ranks."""
     import torch
 
     from megatron_bridge.parallel import destroy_distributed, init_distributed
@@ -20,7 +22,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     _quiet_dependency_warnings()
     p = cfg.parallel
     if cfg.placement.rollout_ranks > 0:
-        return _run_split(cfg, dry_run, profile, config_yaml)
+        return _run_split(cfg, dry_run, profile, config_yaml, overwrite)
     groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
@@ -28,9 +30,9 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     trainer = trackers = None
     health = _health_group(cfg)
     try:
-        trainer, trackers = _start(cfg, groups, config_yaml)
+        trainer, trackers = _start(cfg, groups, overwrite)
         _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
-        _loop(cfg, trainer, trackers, groups, dry_run, profile)
+        _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
     except Exception as e:
         if _is_collective_timeout(e):
             raise _stalled_ranks_error(e, health, cfg, groups.rank) from e
@@ -44,7 +46,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     return 0
 
 
-def _run_split(cfg, dry_run: bool, profile: bool, config_yaml: str) -> int:
+def _run_split(cfg, dry_run: bool, profile: bool, config_yaml: str, overwrite=None) -> int:
     """Split placement (rlstack/placement.py): rollout ranks serve requests, training ranks run the loop."""
     import torch
 
@@ -66,9 +68,9 @@ def _run_split(cfg, dry_run: bool, profile: bool, config_yaml: str) -> int:
             setup_logging(cfg.trainer.output_dir, placement.rank, cfg.logging.level)
             run_rollout_rank(cfg, placement, rollout_device(p.backend, int(os.environ.get("LOCAL_RANK", "0"))))
             return 0
-        trainer, trackers = _start(cfg, groups, config_yaml, placement)
+        trainer, trackers = _start(cfg, groups, overwrite, placement)
         _seed_all(cfg.trainer.seed)
-        _loop(cfg, trainer, trackers, groups, dry_run, profile)
+        _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
         trainer.split.stop()
     except Exception as e:
         if _is_collective_timeout(e):
@@ -133,7 +135,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _start(cfg, groups, config_yaml: str, placement=None):
+def _start(cfg, groups, overwrite, placement=None):
     from rlstack import host_memory
     from rlstack.observability.logging import setup_logging
     from rlstack.observability.trackers import build_trackers
@@ -143,10 +145,8 @@ def _start(cfg, groups, config_yaml: str, placement=None):
     setup_logging(out, groups.rank, cfg.logging.level)
     if groups.rank == 0:
         os.makedirs(out, exist_ok=True)
-        if cfg.trainer.overwrite:
-            _clear_earlier_run(cfg)
-        with open(os.path.join(out, "config.yaml"), "w") as f:
-            f.write(config_yaml)
+        if overwrite is not None:
+            overwrite.begin()  # trainer.overwrite=true: set aside, not deleted (rlstack/run_dir.py)
     log.info(
         "layout tp=%d pp=%d dp=%d world=%d backend=%s",
         groups.dims.tp,
@@ -171,12 +171,14 @@ def _start(cfg, groups, config_yaml: str, placement=None):
     return trainer, trackers
 
 
-def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
+def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_yaml: str = "", overwrite=None) -> None:
     from rlstack.observability.monitor import ResourceMonitor
 
     checkpointer = _checkpointer(cfg, groups, dry_run)
     if checkpointer is not None:
         checkpointer.resume(trainer.checkpoint_parts())
+    if groups.rank == 0 and config_yaml:  # after the resume checks: a refused run leaves the saved config as it was
+        _write_config(cfg.trainer.output_dir, config_yaml)
     monitor = ResourceMonitor(warn_fraction=cfg.logging.memory_warn_fraction, logger=log)
     before = _checksum(trainer) if dry_run else None
     val_first = None
@@ -193,8 +195,9 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
         trackers.log(metrics, step=step)
         if profile:
             log.info(_profile_line(metrics))
-        if checkpointer is not None:
-            checkpointer.maybe_save(trainer.checkpoint_parts())
+        if checkpointer is not None and checkpointer.maybe_save(trainer.checkpoint_parts()):
+            if overwrite is not None:
+                overwrite.saved()
     if cfg.trainer.val_after_train:
         val_last = trainer.validate()
         log.info("validation after training: %s", _fmt(val_last))
@@ -212,20 +215,11 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool) -> None:
         log.info("dry run: parameter checksum unchanged (%s)", after)
 
 
-def _clear_earlier_run(cfg) -> None:
-    """trainer.overwrite=true: the user asked to start afresh; delete the earlier run's checkpoints and metrics."""
-    import shutil
-
-    from rlstack.checkpoint import checkpoint_root
-    from rlstack.observability.trackers import METRICS_FILE
-
-    root, metrics = checkpoint_root(cfg), os.path.join(cfg.trainer.output_dir, METRICS_FILE)
-    if os.path.isdir(root):
-        log.warning("trainer.overwrite=true: deleting the earlier run's checkpoints in %s", root)
-        shutil.rmtree(root)
-    if os.path.isfile(metrics):
-        log.warning("trainer.overwrite=true: starting a new %s", metrics)
-        os.remove(metrics)
+def _write_config(out: str, config_yaml: str) -> None:
+    tmp = os.path.join(out, "config.yaml.tmp")
+    with open(tmp, "w") as f:
+        f.write(config_yaml)
+    os.replace(tmp, os.path.join(out, "config.yaml"))
 
 
 def _checkpointer(cfg, groups, dry_run: bool):

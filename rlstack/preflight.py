@@ -37,9 +37,14 @@ def preflight(cfg, world_size: int) -> Preflight:
         check_reward_model_dir(cfg.reward_model.path)
     dims = check_layout(cfg, world_size)
     host_memory.wanted_allocator(cfg.parallel.host_allocator)  # tcmalloc asked for and not installed
+    check_cache_dir(cfg)
     sources = check_data(cfg)
     check_reward(cfg, sources)
+    check_context_length(cfg)
+    check_prompt_lengths(cfg)
     resume_from = check_output_dir(cfg)
+    if resume_from:
+        check_checkpoint_model(cfg, resume_from)
     return Preflight(dims=dims, data_sources=sources, resume_from=resume_from or "")
 
 
@@ -116,8 +121,11 @@ def check_data(cfg) -> list:
     d = cfg.data
     sources = set()
     for key, paths in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        _check_duplicate_files(paths, key)
         for path in paths:
             rows = read_file(path)
+            if not rows:
+                raise UserError(f"data file {path} has no rows: point {key} at a non-empty file")
             for index, item in enumerate(rows[:FIRST_ROWS]):
                 sources.add(validate_row(item, f"data file {path} row {index}", d.prompt_key)["data_source"])
     if not d.train_files and d.synthetic:
@@ -125,6 +133,22 @@ def check_data(cfg) -> list:
             row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand)
         )
     return sorted(sources)
+
+
+def _check_duplicate_files(paths: list, key: str) -> None:
+    import logging
+
+    seen = set()
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            logging.getLogger("rlstack").warning(
+                "%s lists %s more than once: its rows are sampled that many times as often "
+                "(remove the repeat unless that is what you want)",
+                key,
+                path,
+            )
+        seen.add(real)
 
 
 def check_reward(cfg, data_sources: list) -> None:
@@ -145,11 +169,15 @@ def check_output_dir(cfg):
     Returns the checkpoint the run resumes from (None: a fresh start). A fresh start into a
     directory with an earlier run's checkpoints or metrics is refused unless trainer.overwrite.
     """
+    from rlstack import run_dir
     from rlstack.checkpoint import checkpoint_root, list_checkpoints, resolve_resume
     from rlstack.observability.trackers import METRICS_FILE
 
     out = cfg.trainer.output_dir
     _check_writable(out, "trainer.output_dir")
+    live = run_dir.holder(out)
+    if live is not None and not run_dir.is_this_job(live):
+        raise run_dir.refuse_live(out, live)
     if cfg.checkpoint.dir:
         _check_writable(cfg.checkpoint.dir, "checkpoint.dir")
     resume = None if cfg.trainer.overwrite else resolve_resume(cfg)
@@ -174,6 +202,113 @@ def check_output_dir(cfg):
     return None
 
 
+def check_context_length(cfg) -> None:
+    """A prompt plus its response must fit the model's positions (RoPE tables, engine's max_model_len)."""
+    from rlstack.planner.shapes import hf_config_for
+
+    try:
+        hf, source = hf_config_for(cfg.model)
+    except UserError:
+        return  # check_model_dir named the problem, or the planner will
+    limit = hf.get("max_position_embeddings")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if isinstance(limit, int) and longest > limit:
+        raise UserError(
+            f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + "
+            f"{cfg.rollout.max_new_tokens} = {longest} tokens, over the model's max_position_embeddings="
+            f"{limit} ({source}): lower rollout.max_new_tokens or data.max_prompt_length"
+        )
+
+
+def check_prompt_lengths(cfg) -> None:
+    """Every prompt fits data.max_prompt_length after the chat template (as the run checks when
+    it builds the dataset), when the tokenizer is on disk already (a local model directory, or a
+    tiny/default model built before); otherwise the run checks it before its first step."""
+    directory = _tokenizer_dir(cfg.model)
+    if directory is None or not (cfg.data.train_files or cfg.data.val_files):
+        return
+    from transformers import AutoTokenizer
+
+    from rlstack.data.dataset import PromptDataset
+    from rlstack.data.rows import load_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    d = cfg.data
+    for paths in (d.train_files, d.val_files):
+        if paths:
+            PromptDataset(
+                load_rows(paths, d.prompt_key),
+                tokenizer,
+                d.max_prompt_length,
+                d.truncation,
+                d.system_prompt,
+                d.prompt_key,
+            )
+
+
+def _tokenizer_dir(model_cfg):
+    from megatron_bridge import hub_cache
+    from megatron_bridge.errors import InputError
+
+    path = model_cfg.path
+    if path == "default":
+        from megatron_bridge.default_model import default_model_dir
+
+        path = default_model_dir(model_cfg.cache_dir)
+    elif path == "tiny":
+        return None  # built on the fly with a vocabulary of its own: the run checks it
+    elif not os.path.exists(path) and hub_cache.looks_like_hub_id(path):
+        try:
+            path = hub_cache.resolve_hub_id(path)
+        except InputError:
+            return None
+    if os.path.isdir(path) and set(os.listdir(path)).intersection(TOKENIZER_FILES):
+        return path
+    return None
+
+
+def check_checkpoint_model(cfg, resume: str) -> None:
+    """The checkpoint a run resumes from was saved for this actor model (same architecture and shape)."""
+    import json
+    from dataclasses import asdict
+
+    from megatron_bridge.hf_config import ModelArgs
+    from rlstack.checkpoint import TRAINER_STATE
+    from rlstack.planner.shapes import hf_config_for
+
+    try:
+        hf, source = hf_config_for(cfg.model)
+        now = asdict(ModelArgs.from_hf_config(hf, source))
+    except Exception:
+        return  # the model directory's own check reports it
+    with open(os.path.join(resume, TRAINER_STATE)) as f:
+        saved = json.load(f).get("model_args", {}).get("actor")
+    if not saved:
+        return
+    diff = {k: (saved.get(k), v) for k, v in now.items() if k in saved and saved.get(k) != v}
+    if diff:
+        shown = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in list(diff.items())[:4])
+        raise UserError(
+            f"checkpoint {resume} was saved for a different actor model ({shown}; saved vs model.path="
+            f"{cfg.model.path}): resume with the model it was trained from, or set checkpoint.resume=never "
+            "with another trainer.output_dir"
+        )
+
+
+def check_cache_dir(cfg) -> None:
+    """The cache of built models (RLSTACK_CACHE or model.cache_dir) can be written when one is used."""
+    from megatron_bridge.tiny import default_cache_dir
+
+    paths = (cfg.model.path, getattr(cfg.model, "critic_path", ""))
+    if not any(p in ("default", "tiny") for p in paths):
+        return
+    if getattr(cfg.model, "cache_dir", ""):
+        _check_writable(cfg.model.cache_dir, "model.cache_dir")
+    else:
+        key = "RLSTACK_CACHE (environment variable)" if os.environ.get("RLSTACK_CACHE") else "RLSTACK_CACHE"
+        _check_writable(default_cache_dir(), key)
+
+
 def _check_steps_left(cfg, resume: str) -> None:
     import json
 
@@ -190,7 +325,12 @@ def _check_steps_left(cfg, resume: str) -> None:
 
 
 def _check_writable(path: str, key: str) -> None:
-    """`path` is a directory we can write, or can be created under a writable directory."""
+    """`path` is a directory we can write, or can be created under a writable directory.
+
+    Probed by doing it (create the missing directories and a file, then remove all of it): root
+    passes os.access everywhere, and /proc or a read-only mount only fail when written."""
+    import tempfile
+
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
@@ -201,5 +341,32 @@ def _check_writable(path: str, key: str) -> None:
         raise UserError(
             f"{key}={path}: {probe} is a file, so the directory cannot be created there: choose another {key}"
         )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{key}={path}: {probe} is not writable: choose another {key} or fix its permissions")
+    target = os.path.abspath(path)
+    created = []
+    try:
+        for missing in _missing_dirs(target, probe):
+            os.mkdir(missing)
+            created.append(missing)
+        fd, name = tempfile.mkstemp(prefix=".rlstack-probe-", dir=target)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise UserError(
+            f"{key}={path} cannot be written ({e.strerror} at {e.filename or probe}): choose another {key} "
+            "or fix its permissions"
+        ) from None
+    finally:
+        for directory in reversed(created):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+
+
+def _missing_dirs(target: str, existing: str) -> list[str]:
+    """The directories between `existing` (excluded) and `target` (included), outermost first."""
+    missing = []
+    while target != existing:
+        missing.append(target)
+        target = os.path.dirname(target)
+    return list(reversed(missing))

@@ -29,6 +29,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    if not args.validate_only:
+        _die_with_launcher()
+        _stop_on_sigterm()
     log = setup_logging(None, rank)
     return user_error_guard(lambda: _run(args, rank), rank, log)
 
@@ -43,27 +46,70 @@ def _run(args, rank: int) -> int:
 
         exec_with_allocator(cfg.parallel.host_allocator)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or _default_world(cfg)
-    found = preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
     if args.validate_only:
-        dims = found.dims
-        resume = f", resumes from {found.resume_from}" if found.resume_from else ""
-        if cfg.placement.rollout_ranks:  # split placement: dims are the training ranks' own
-            resume += f"; + {cfg.placement.rollout_ranks} rollout-only rank(s), staleness {cfg.rollout.staleness}"
-        print(
-            f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
-            f"data sources {', '.join(found.data_sources) or '-'}{resume})"
+        return _validate_only(args, cfg, world_size)
+    from rlstack.run_dir import guarded_start
+
+    with guarded_start(cfg, rank) as overwrite:
+        preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
+        if cfg.trainer.overwrite:
+            cfg.checkpoint.resume = "never"  # the earlier run is set aside (and removed once this one saves)
+        from rlstack.loop import run_training
+
+        return run_training(
+            cfg, dry_run=args.dry_run, profile=args.profile, config_yaml=to_yaml(cfg), overwrite=overwrite
         )
-        from rlstack.planner import format_plan, plan_for_validate
 
-        plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
-        if plan is not None:  # the model's config.json is here: the memory plan for this machine
-            print(format_plan(plan))
-        return 0
-    if cfg.trainer.overwrite:
-        cfg.checkpoint.resume = "never"  # the earlier run's checkpoints are deleted at start
-    from rlstack.loop import run_training
 
-    return run_training(cfg, dry_run=args.dry_run, profile=args.profile, config_yaml=to_yaml(cfg))
+def _validate_only(args, cfg, world_size: int) -> int:
+    from rlstack.preflight import preflight
+
+    found = preflight(cfg, world_size)
+    dims = found.dims
+    resume = f", resumes from {found.resume_from}" if found.resume_from else ""
+    if cfg.placement.rollout_ranks:  # split placement: dims are the training ranks' own
+        resume += f"; + {cfg.placement.rollout_ranks} rollout-only rank(s), staleness {cfg.rollout.staleness}"
+    print(
+        f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
+        f"data sources {', '.join(found.data_sources) or '-'}{resume})"
+    )
+    from rlstack.planner import format_plan, plan_for_validate
+
+    plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
+    if plan is not None:  # the model's config.json is here: the memory plan for this machine
+        print(format_plan(plan))
+        if not plan.fits:
+            return 1  # the planner's verdict is the exit status
+    return 0
+
+
+def _die_with_launcher() -> None:
+    """Under torchrun each rank runs in a session of its own: if the launcher is SIGKILLed (OOM
+    killer, kill -9) the ranks would train on, re-parented to init, and write into a directory the
+    user restarts a job in. The kernel kills this rank when its parent dies (PR_SET_PDEATHSIG)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except OSError:  # not Linux: nothing to set
+        return
+    if os.getppid() == 1:  # the launcher died before the line above
+        os._exit(137)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (torchrun stopping its ranks, a scheduler) unwinds like Ctrl-C, so `finally` blocks run:
+    the output directory's lock is released and an earlier run set aside by overwrite is put back."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _default_world(cfg) -> int:

@@ -13,6 +13,7 @@ when set (for every data_source); else the built-in registered under the sample'
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -129,7 +130,9 @@ class RewardScorer:
         name = self.builtin or s.data_source
         fn = self._rule(name)
         return as_result(
-            fn(s.solution_str, s.ground_truth, s.extra_info), f"{fn.__name__} (built-in)", where(s.data_source, s.row)
+            fn(s.solution_str, s.ground_truth, copy.deepcopy(s.extra_info)),
+            f"{fn.__name__} (built-in)",
+            where(s.data_source, s.row),
         )
 
     def _custom_one(self, s: Sample) -> ScoreResult:
@@ -137,7 +140,7 @@ class RewardScorer:
             data_source=s.data_source,
             solution_str=s.solution_str,
             ground_truth=s.ground_truth,
-            extra_info=s.extra_info,
+            extra_info=copy.deepcopy(s.extra_info),  # its own copy: a function that edits it changes nothing else
             **self.reward_kwargs,
         )
         value = self._call(kwargs, self.timeout_s, where(s.data_source, s.row))
@@ -152,7 +155,7 @@ class RewardScorer:
             data_sources=[s.data_source for s in samples],
             solution_strs=[s.solution_str for s in samples],
             ground_truths=[s.ground_truth for s in samples],
-            extra_infos=[s.extra_info for s in samples],
+            extra_infos=[copy.deepcopy(s.extra_info) for s in samples],
             **self.reward_kwargs,
         )
         rows = ", ".join(str(s.row) for s in samples[:4]) + (", ..." if len(samples) > 4 else "")
@@ -184,6 +187,12 @@ class RewardScorer:
                 where_text,
             )
             return _TIMED_OUT
+        except (SystemExit, KeyboardInterrupt) as e:  # not Exceptions: would end the job, status 0 for exit(0)
+            raise UserError(
+                f"reward function {self._fn_name} raised {type(e).__name__}"
+                f"{f'({e.code!r})' if isinstance(e, SystemExit) else ''} for {where_text}: a reward function "
+                "must return a score, not exit; fix the function"
+            ) from None
         except Exception as e:
             first_line = (str(e).splitlines() or [""])[0]
             raise UserError(

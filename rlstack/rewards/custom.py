@@ -85,6 +85,11 @@ def _import_file(path: str):
     sys.modules[module_name] = module  # dataclasses and pickling look modules up here
     try:
         spec.loader.exec_module(module)
+    except (SystemExit, KeyboardInterrupt) as e:  # exit() at import would end the job silently
+        del sys.modules[module_name]
+        raise UserError(
+            f"reward file {path} raised {type(e).__name__} while it was imported: remove the exit from that file"
+        ) from None
     except Exception as e:
         del sys.modules[module_name]
         raise UserError(
