@@ -318,7 +318,7 @@ def _check_steps_left(cfg, resume: str) -> None:
         step = int(json.load(f)["step"])
     if step >= cfg.trainer.total_steps:
         raise UserError(
-            f"the run in {cfg.trainer.output_dir} already reached step {step} ({resume}), and "
+            f"the run in {cfg.trainer.output_dir} is already complete: it already reached step {step} ({resume}), and "
             f"trainer.total_steps={cfg.trainer.total_steps}: raise trainer.total_steps to train on, "
             "or choose another trainer.output_dir"
         )

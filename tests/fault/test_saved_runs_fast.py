@@ -306,3 +306,39 @@ def test_duplicate_train_files_are_a_warning(tmp_path):
     proc = _validate(f"trainer.output_dir={tmp_path / 'out'}", f"data.train_files=[{data},{data}]")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data.train_files lists" in proc.stdout + proc.stderr and "more than once" in proc.stdout + proc.stderr
+
+
+def test_validate_only_refuses_a_prompt_longer_than_max_prompt_length(tmp_path):
+    from megatron_bridge.tiny import ensure_tiny_checkpoint
+    from rlstack.data.rows import write_jsonl
+
+    model = ensure_tiny_checkpoint()  # a local HF directory, tokenizer included
+    data = tmp_path / "long.jsonl"
+    row = {
+        "prompt": [{"role": "user", "content": "7 " * 50}],
+        "data_source": "copy",
+        "reward_model": {"ground_truth": "7"},
+    }
+    write_jsonl([row], str(data))
+    proc = _validate(
+        f"trainer.output_dir={tmp_path / 'out'}", f"model.path={model}", f"data.train_files=[{data}]",
+        "data.max_prompt_length=16",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "data.max_prompt_length=16" in line and str(data) in line, line
+
+
+def test_validate_only_exits_1_when_the_plan_does_not_fit(tmp_path, monkeypatch, capsys):
+    from rlstack import planner, train
+
+    class Plan:
+        fits = False
+
+    monkeypatch.setattr(planner, "plan_for_validate", lambda *a, **k: Plan())
+    monkeypatch.setattr(planner, "format_plan", lambda plan: "peak 99 GiB of 1 GiB: does not fit")
+    args = train.parse_args(
+        ["--config", TINY, "--validate-only", "--world-size", "2", f"trainer.output_dir={tmp_path}"]
+    )
+    assert train._run(args, rank=0) == 1
+    assert "does not fit" in capsys.readouterr().out
