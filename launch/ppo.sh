@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start rlstack training under torchrun on this node; SLURM-aware. See docs/launch.md.
 #
-#   bash launch/ppo.sh CONFIG [key=value ...] [--dry-run] [--profile] [--validate-only] [--print-cmd]
+#   bash launch/ppo.sh CONFIG [key=value ...] [--dry-run] [--profile] [--validate-only] [--plan] [--print-cmd]
 #
 # Outside SLURM: NNODES (1), NODE_RANK (0), NPROC_PER_NODE (GPUs present, else 2), MASTER_ADDR
 # (127.0.0.1; required when NNODES>1), MASTER_PORT (a free port on one node, else 29500).
@@ -13,7 +13,8 @@
 # (local ranks echoed to the console, default 0; `all` for every rank).
 #
 # --print-cmd (anywhere) prints the torchrun command and exits. --validate-only checks the config
-# for this job's world size in one process and exits. Per-rank logs: <trainer.output_dir>/
+# for this job's world size in one process and exits (with the memory plan's table); a run prints
+# the plan in one line before it starts (--plan: the table). Per-rank logs: <trainer.output_dir>/
 # torchrun_logs/node<NODE_RANK>/ (torchrun) and <trainer.output_dir>/logs/ (rlstack). A failed rank
 # ends torchrun with a non-zero status and a final line naming that rank.
 set -euo pipefail
@@ -27,6 +28,7 @@ note() { echo "ppo.sh: $*" >&2; }
 # ---------------------------------------------------------------- arguments
 print_cmd=0
 validate_only=0
+full_plan=0
 config=""
 train_args=()   # everything for rlstack.train after --config CONFIG
 overrides=()    # the key=value subset, for reading the config here
@@ -34,6 +36,7 @@ while (($#)); do
   case "$1" in
     --print-cmd) print_cmd=1 ;;
     --validate-only) validate_only=1 ;;
+    --plan) full_plan=1 ;;
     -h|--help) usage; exit 0 ;;
     --config) (($# >= 2)) || die "--config needs a file"; config="$2"; shift ;;
     --config=*) config="${1#--config=}" ;;
@@ -98,8 +101,10 @@ esac
 
 run_validation() {
   [[ "$validate_mode" == train ]] || return 0
+  local summary=()
+  ((validate_only || full_plan)) || summary=(--plan-summary)
   WORLD_SIZE="$world_size" "$PYTHON" -m rlstack.train --config "$config" \
-    ${overrides[@]+"${overrides[@]}"} --validate-only
+    ${overrides[@]+"${overrides[@]}"} --validate-only ${summary[@]+"${summary[@]}"}
 }
 
 # ---------------------------------------------------------------- the torchrun command
@@ -135,13 +140,18 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 # GPU runs kernels in issue order (megatron/core/tensor_parallel/layers.py); speed, not correctness.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
+# Each rank sets its own thread count (parallel.threads_per_rank); set here, torchrun has nothing to
+# announce (it prints a banner when it sets OMP_NUM_THREADS itself).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 mkdir -p "$log_dir"
 launcher_log="$log_dir/launcher.log"   # torchrun's stderr on this node: its failure summary
 fifo_dir="$(mktemp -d)"
 trap 'rm -rf "$fifo_dir"' EXIT
 mkfifo "$fifo_dir/stderr"
-tee -i "$launcher_log" <"$fifo_dir/stderr" >&2 &
+# The console gets the ranks' own lines; torchrun's own (its failure box, restarts, SIGTERM notes)
+# go to launcher.log only: a failed run's last console line is the failed rank's error, below.
+tee -i "$launcher_log" <"$fifo_dir/stderr" | grep --line-buffered -E '^\[[a-z]+[0-9]+\]:' >&2 &
 tee_pid=$!
 "${cmd[@]}" 2>"$fifo_dir/stderr" &
 run_pid=$!
@@ -178,7 +188,8 @@ read -r failed_rank failed_local failed_host failed_code failed_signal < <(awk '
   END { if (rank != "") print rank, local_rank, host, code, sig }' "$launcher_log") || true
 
 if [[ -z "${failed_rank:-}" ]]; then
-  note "torchrun exited with status $rc on node $node_rank before reporting a failed rank; see $launcher_log"
+  note "torchrun exited with status $rc on node $node_rank before reporting a failed rank; its last lines ($launcher_log):"
+  tail -n 8 "$launcher_log" | sed 's/^/  | /' >&2
   exit "$rc"
 fi
 failed_log="$(ls -td "$log_dir"/*/attempt_*/"$failed_local"/stderr.log 2>/dev/null | head -n 1 || true)"

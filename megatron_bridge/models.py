@@ -81,6 +81,9 @@ def transformer_config(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # megatron 0.16's default "full" is deprecated in its own __post_init__ (a warning every
+        # build); [] is what it converts "full" to.
+        cuda_graph_scope=[],
         **recompute_settings(recompute),
     )
 

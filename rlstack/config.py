@@ -225,7 +225,8 @@ class LoggingConfig:
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb, mlflow
     level: str = "INFO"
     memory_warn_fraction: float = 0.85  # WARNING when RSS (or GPU memory) passes this share
-    progress: bool = True  # tqdm bars on rank 0 for rollout and validation
+    progress: bool = True  # tqdm bars on rank 0 for rollout and validation (on a terminal, past 2 s)
+    verbose: bool = False  # keep transformers' and vLLM's own logs and progress bars
     project: str = "rlstack"
     run_name: str = ""
 

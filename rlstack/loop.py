@@ -167,6 +167,7 @@ def _start(cfg, groups, overwrite, placement=None):
         project=cfg.logging.project,
         run_name=cfg.logging.run_name,
         resume=cfg.checkpoint.resume != "never",
+        total_steps=cfg.trainer.total_steps,
     )  # W&B/MLflow continue the same run
     return trainer, trackers
 

@@ -21,6 +21,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="per-stage throughput lines")
     parser.add_argument("--validate-only", action="store_true", help="check the config and exit")
     parser.add_argument("--world-size", type=int, default=0, help="with --validate-only: world size to check")
+    parser.add_argument(
+        "--plan-summary", action="store_true", help="with --validate-only: the memory plan in one line (launch/ppo.sh)"
+    )
     return parser.parse_args(argv)
 
 
@@ -41,6 +44,9 @@ def _run(args, rank: int) -> int:
     from rlstack.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
+    from rlstack.observability.quiet import quiet_third_party
+
+    quiet_third_party(cfg.logging.verbose)  # before megatron, transformers and vLLM are imported
     if not args.validate_only and __name__ == "__main__":  # the program itself, before torch and threads exist:
         from rlstack.host_memory import exec_with_allocator  # the rank restarts itself on tcmalloc
 
@@ -51,7 +57,8 @@ def _run(args, rank: int) -> int:
     from rlstack.run_dir import guarded_start
 
     with guarded_start(cfg, rank) as overwrite:
-        preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
+        found = preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
+        _remember_plan(cfg, found.dims.world_size)
         if cfg.trainer.overwrite:
             cfg.checkpoint.resume = "never"  # the earlier run is set aside (and removed once this one saves)
         from rlstack.loop import run_training
@@ -73,14 +80,27 @@ def _validate_only(args, cfg, world_size: int) -> int:
         f"config ok: {args.config} (tp={dims.tp} pp={dims.pp} dp={dims.dp} world={dims.world_size}; "
         f"data sources {', '.join(found.data_sources) or '-'}{resume})"
     )
-    from rlstack.planner import format_plan, plan_for_validate
+    from rlstack.planner import format_plan, plan_for_validate, summarize_plan
 
     plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
     if plan is not None:  # the model's config.json is here: the memory plan for this machine
-        print(format_plan(plan))
+        print(summarize_plan(plan) if args.plan_summary else format_plan(plan))
         if not plan.fits:
             return 1  # the planner's verdict is the exit status
     return 0
+
+
+def _remember_plan(cfg, world_size: int) -> None:
+    """The plan's one-line summary, for an out-of-memory error to name what was planned."""
+    from rlstack.errors import remember_plan
+    from rlstack.planner import plan_for_validate, summarize_plan
+
+    try:
+        plan = plan_for_validate(cfg, world_size)
+    except Exception:  # the plan is a hint here; preflight has checked the config
+        return
+    if plan is not None:
+        remember_plan(summarize_plan(plan))
 
 
 def _die_with_launcher() -> None:

@@ -19,24 +19,24 @@ from rlstack.errors import UserError
 
 LOGGER_NAME = "rlstack"
 BRIDGE_LOGGER_NAME = "megatron_bridge"
-CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # WARNING and above; INFO lines carry no level word
+CONSOLE_INFO_FORMAT = "%(asctime)s %(message)s"
 FILE_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 # Records carrying extra={FILE_ONLY: True} (tracebacks of user errors) skip the console.
 FILE_ONLY = "rlstack_file_only"
 
 # (metric key, label, format spec): the per-step line's fixed order; missing keys are skipped.
-STEP_LINE_FIELDS = (
-    ("reward/mean", "reward", ".3f"),
-    ("actor/kl", "kl", ".4g"),
-    ("actor/loss", "actor_loss", ".4g"),
-    ("critic/loss", "critic_loss", ".4g"),
-    ("val/accuracy", "val_acc", ".3f"),
-    ("response/length_mean", "resp_len", ".1f"),
-    ("timing/step_s", "step_s", ".1f"),
-    ("throughput/rollout_tok_s", "rollout_tok/s", ".0f"),
-    ("mem/rss_gib", "rss_gib", ".1f"),
-    ("mem/gpu_peak_gib", "gpu_peak_gib", ".1f"),
+STEP_LINE_FIELDS = (  # (metric, label, format, unit): the line stays under 100 columns
+    ("reward/mean", "reward", ".3f", ""),
+    ("actor/kl", "kl", ".3g", ""),
+    ("actor/loss", "loss", ".3g", ""),
+    ("critic/loss", "vf_loss", ".3g", ""),
+    ("val/accuracy", "val_acc", ".3f", ""),
+    ("response/length_mean", "len", ".1f", ""),
+    ("timing/step_s", "step_s", ".1f", ""),
+    ("mem/rss_gib", "rss", ".1f", "G"),
+    ("mem/gpu_peak_gib", "gpu", ".1f", "G"),
 )
 
 _state = {"rank": None}
@@ -58,6 +58,18 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
         return True
+
+
+class _LevelFormatter(logging.Formatter):
+    """`12:00:01 step 3/40 | ...` for INFO, `12:00:01 WARNING ...` above it: the stage and step lines stay
+    short under torchrun's `[default0]:` prefix."""
+
+    def __init__(self, datefmt: str):
+        super().__init__(CONSOLE_FORMAT, datefmt)
+        self.info = logging.Formatter(CONSOLE_INFO_FORMAT, datefmt)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.info.format(record) if record.levelno <= logging.INFO else super().format(record)
 
 
 class _ConsoleHandler(logging.Handler):
@@ -106,7 +118,7 @@ def setup_logging(output_dir: Optional[str], rank: int, level: str = "INFO") -> 
     handlers = []
     if rank == 0:
         console = _ConsoleHandler()
-        console.setFormatter(logging.Formatter(CONSOLE_FORMAT, DATE_FORMAT))
+        console.setFormatter(_LevelFormatter(DATE_FORMAT))
         handlers.append(console)
     if output_dir is not None:
         log_dir = os.path.join(output_dir, "logs")
@@ -143,13 +155,24 @@ def print_rank0(msg: str) -> None:
         _write_console(str(msg), sys.stdout)
 
 
-def format_step_line(step: int, metrics: dict) -> str:
-    """One fixed-format line: `step 3 | reward 0.412 | kl 0.0012 | ... | rss_gib 3.2`."""
-    parts = [f"step {step}"]
-    for key, label, spec in STEP_LINE_FIELDS:
+def format_step_line(step: int, metrics: dict, total_steps: int = 0, eta_s: Optional[float] = None) -> str:
+    """One fixed-format line: `step 3/40 | reward 0.412 | kl 0.0012 | ... | rss_gib 3.2 | eta 0:01:05`."""
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    for key, label, spec, unit in STEP_LINE_FIELDS:
         if key in metrics and metrics[key] is not None:
-            parts.append(f"{label} {float(metrics[key]):{spec}}")
+            parts.append(f"{label} {float(metrics[key]):{spec}}{unit}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """`0:01:05`, `3:20:00`, `2d 04:00:00` past a day."""
+    seconds = max(0, int(round(seconds)))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
 
 
 BUG_REPORT = "this is a bug in rlstack, not a mistake in your input: please report it with the traceback above"
@@ -171,7 +194,7 @@ def user_error_guard(
     soon as one rank exits, and a config error hits every rank at once, so without the wait rank 1
     can exit first and get rank 0 killed before it prints the line.
     """
-    from rlstack.errors import USER_ERRORS
+    from rlstack.errors import RESOURCE_EXIT, USER_ERRORS, resource_message
 
     log = log or logging.getLogger(LOGGER_NAME)
     try:
@@ -188,6 +211,12 @@ def user_error_guard(
         raise SystemExit(2) from None
     except Exception as e:
         where = log_file_path(log)
+        resource = resource_message(e)
+        if resource:  # ran out of memory or disk: a resource error, not a bug
+            if where is not None:
+                log.error("resource error: %s", resource, exc_info=True, extra={FILE_ONLY: True})
+            _write_console(f"error: {resource}" if rank == 0 else f"error: rank {rank}: {resource}", sys.stderr)
+            raise SystemExit(RESOURCE_EXIT) from None
         if where is not None:
             log.error("internal error (bug): %s: %s", type(e).__name__, e, exc_info=True, extra={FILE_ONLY: True})
         if rank == 0:

@@ -14,6 +14,9 @@ from rlstack.observability.logging import current_rank
 NON_TTY_MININTERVAL_S = 30.0
 
 
+PROGRESS_DELAY_S = 2.0
+
+
 def progress(
     iterable_or_total: Union[Iterable, int],
     desc: str,
@@ -28,13 +31,14 @@ def progress(
     The bar is cleared when done (leave=False): the step line that follows is the record.
     """
     rank = current_rank() if rank is None else rank
-    disable = not enabled or rank != 0
+    stream = sys.stderr
+    is_tty = getattr(stream, "isatty", lambda: False)()
+    # Off the terminal (torchrun's --tee, a log file) a bar is fragments between prefixed lines.
+    disable = not enabled or rank != 0 or not is_tty
     if isinstance(iterable_or_total, int) and not isinstance(iterable_or_total, bool):
         iterable, total = None, iterable_or_total
     else:
         iterable, total = iterable_or_total, None
-    stream = sys.stderr
-    is_tty = getattr(stream, "isatty", lambda: False)()
     mininterval = 0.1 if is_tty else NON_TTY_MININTERVAL_S
     return tqdm(
         iterable,
@@ -46,4 +50,5 @@ def progress(
         file=stream,
         mininterval=mininterval,
         dynamic_ncols=True,
+        delay=PROGRESS_DELAY_S,  # a stage shorter than this shows no bar at all
     )

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from typing import Any, Optional
 
@@ -51,13 +52,38 @@ def scalar_metrics(metrics: dict) -> dict[str, Any]:
 
 
 class ConsoleTracker(Tracker):
-    """The fixed-format step line at INFO on the "rlstack" logger (console + rank-0 log file)."""
+    """The fixed-format step line at INFO on the "rlstack" logger (console + rank-0 log file):
+    `step k/N`, the step's figures, and an ETA from the wall time between the last step lines
+    (validation and checkpoint saves included, as the user's clock sees them)."""
 
-    def __init__(self, logger: Optional[logging.Logger] = None):
+    ETA_WINDOW = 10  # steps the ETA averages over
+
+    def __init__(self, logger: Optional[logging.Logger] = None, total_steps: int = 0, clock=time.monotonic):
         self.logger = logger or logging.getLogger(LOGGER_NAME)
+        self.total_steps = total_steps
+        self.clock = clock
+        self.seen: list[tuple[int, float]] = []  # (step, time) of the recent step lines
 
     def log(self, metrics: dict, step: int) -> None:
-        self.logger.info(format_step_line(step, scalar_metrics(metrics)))
+        metrics = scalar_metrics(metrics)
+        if not any(not k.startswith("val/") for k in metrics):  # validation alone: no step line change
+            self.logger.info(format_step_line(step, metrics, self.total_steps))
+            return
+        self.logger.info(format_step_line(step, metrics, self.total_steps, self._eta(step, metrics)))
+
+    def _eta(self, step: int, metrics: dict) -> Optional[float]:
+        now = self.clock()
+        self.seen = (self.seen + [(step, now)])[-(self.ETA_WINDOW + 1) :]
+        if not self.total_steps or step >= self.total_steps:
+            return None  # the last step's line needs no ETA
+        (first_step, first_t), (last_step, last_t) = self.seen[0], self.seen[-1]
+        if last_step > first_step:
+            per_step = (last_t - first_t) / (last_step - first_step)
+        else:  # the first line of this process: its own step time
+            per_step = float(metrics.get("timing/step_s") or 0.0)
+            if per_step <= 0:
+                return None
+        return per_step * (self.total_steps - step)
 
 
 class JsonlTracker(Tracker):
@@ -253,6 +279,7 @@ def build_trackers(
     project: str = "rlstack",
     run_name: str = "",
     resume: bool = True,
+    total_steps: int = 0,
 ) -> MultiTracker:
     """Trackers named in logging.trackers (jsonl always on) on rank 0; a no-op elsewhere.
 
@@ -267,7 +294,7 @@ def build_trackers(
     try:
         trackers.append(JsonlTracker(os.path.join(output_dir, METRICS_FILE)))
         if "console" in names:
-            trackers.append(ConsoleTracker())
+            trackers.append(ConsoleTracker(total_steps=total_steps))
         if "tensorboard" in names:
             trackers.append(TensorBoardTracker(os.path.join(output_dir, TENSORBOARD_DIR)))
         if "wandb" in names:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from rlstack.planner.build import GIB, PHASES, Plan
+
+WIDTH = 100  # columns: the table and every line of the plan
 
 
 def gib(nbytes: float) -> str:
@@ -33,22 +37,41 @@ def format_plan(plan: Plan) -> str:
         _verdict(plan),
     ]
     lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(line for line in lines if line is not None)
+    return "\n".join(_fit(line) for line in lines if line is not None)
+
+
+def _fit(text: str) -> str:
+    """A prose line wrapped to WIDTH (the table is laid out to fit already)."""
+    if "\n" in text or len(text) <= WIDTH:
+        return text
+    return textwrap.fill(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def summarize_plan(plan: Plan) -> str:
+    """One line before a launch: the peak, of what, and the verdict (the table: --plan)."""
+    where = "host memory per rank" if plan.device == "cpu" else "GPU memory"
+    verdict = "fits" if plan.fits else "does NOT fit (see --validate-only for the table and a setting that fits)"
+    return (
+        f"memory plan: peak {gib(plan.peak_bytes)} of {gib(plan.budget_bytes)} GiB {where} "
+        f"({plan.peak_phase}): {verdict}"
+    )
 
 
 def _table(plan: Plan, where: str) -> str:
-    label_width = max(len(f"{i.role:<10} {i.name}") for i in plan.items) + 2
+    cells_width = 9 * len(PHASES)
+    label_width = min(max(len(f"{i.role:<10} {i.name}") for i in plan.items) + 4, WIDTH - cells_width)
+    name_width = label_width - 11
     header = f"{'GiB ' + where:<{label_width}}" + "".join(f"{p:>9}" for p in PHASES)
     rows = [header, "-" * len(header)]
     for item in plan.items:
         cells = "".join(f"{_cell(item.at(p)):>9}" for p in PHASES)
         mark = " *" if item.transient else ""
-        rows.append(f"{item.role:<10} {item.name + mark:<{label_width - 11}}" + cells)
+        name = textwrap.wrap(item.name + mark, name_width - 1, break_on_hyphens=False) or [""]
+        rows.append(f"{item.role:<10} {name[0]:<{name_width}}" + cells)
+        rows += [f"{'':<10}   {more}" for more in name[1:]]  # a long name goes on below its figures
     rows.append("-" * len(header))
-    rows.append(
-        f"{'total (resident + largest role temporaries *)':<{label_width}}"
-        + "".join(f"{gib(plan.total(p)):>9}" for p in PHASES)
-    )
+    total = "total (resident + largest temporaries *)"
+    rows.append(f"{total:<{label_width}}" + "".join(f"{gib(plan.total(p)):>9}" for p in PHASES))
     return "\n".join(rows)
 
 

@@ -24,6 +24,7 @@ import contextlib
 import gc
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Optional
@@ -257,6 +258,7 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
         enforce_eager=cfg.enforce_eager,
         logprobs_mode="processed_logprobs",  # after temperature (and top-k/top-p): see rollout/base.py
         dtype="float32" if not on_gpu else "auto",
+        use_tqdm_on_load=sys.stderr.isatty(),  # a bar under torchrun's prefixes is only fragments
     )
     if cfg.tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"

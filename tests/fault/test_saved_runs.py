@@ -54,6 +54,7 @@ def test_overwrite_with_a_run_time_failure_keeps_the_earlier_run_whole(tmp_path)
     text = finish(again)
     assert again.returncode == 2, text[-3000:]
     assert "ZeroDivisionError" in last_line(text)
+    assert "Root Cause" not in text and "ChildFailedError" not in text  # no torchrun failure box
     assert "put back as it was" in text
     assert _tree(out) == before  # checkpoints, metrics, config.yaml: byte for byte
 

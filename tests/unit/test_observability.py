@@ -60,9 +60,10 @@ def test_step_line_has_fixed_order_and_skips_missing_keys():
         "actor/entropy": 1.0,
     }
     assert format_step_line(3, metrics) == (
-        "step 3 | reward 0.412 | kl 0.0012 | actor_loss -0.013 | "
-        "critic_loss 0.21 | step_s 4.1 | rollout_tok/s 812 | rss_gib 3.2"
+        "step 3 | reward 0.412 | kl 0.0012 | loss -0.013 | vf_loss 0.21 | step_s 4.1 | rss 3.2G"
     )
+    assert format_step_line(3, metrics, total_steps=40, eta_s=3725).startswith("step 3/40 | reward 0.412")
+    assert format_step_line(3, metrics, total_steps=40, eta_s=3725).endswith(" | rss 3.2G | eta 1:02:05")
     assert format_step_line(7, {"actor/kl": 0.5}) == "step 7 | kl 0.5"
 
 
@@ -71,7 +72,7 @@ def test_rank0_logs_to_console_and_file_other_ranks_to_file_only(tmp_path, capsy
     log.info("entering rollout")
     logging.getLogger("rlstack.monitor").warning("memory high")
     out, err = capsys.readouterr()
-    assert "INFO entering rollout" in out and "memory high" not in out
+    assert " entering rollout" in out and "INFO" not in out and "memory high" not in out
     assert "WARNING memory high" in err
     text = (tmp_path / "logs" / "rank0.log").read_text()
     assert "rank0 INFO rlstack: entering rollout" in text
@@ -114,7 +115,7 @@ def test_user_error_prints_one_line_on_rank0_and_traceback_to_file(tmp_path):
     assert proc.stderr.splitlines() == [
         "error: unknown config key 'trainer.totl_steps': did you mean 'trainer.total_steps'?"
     ]
-    assert proc.stdout.splitlines()[-1].endswith("INFO parsing config")
+    assert proc.stdout.splitlines()[-1].endswith(" parsing config")
     text = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert "ERROR rlstack: user error: unknown config key" in text
     assert "Traceback (most recent call last)" in text and "ConfigError" in text
@@ -436,7 +437,11 @@ def test_memory_helpers():
 # ----------------------------------------------------------------------------- progress
 
 
-def test_progress_bar_only_on_rank0_when_enabled(capsys):
+def test_progress_bar_only_on_rank0_when_enabled(capsys, monkeypatch):
+    import rlstack.observability.progress as progress_module
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
     assert list(progress([1, 2, 3], "rollout", rank=0)) == [1, 2, 3]
     assert "rollout" in capsys.readouterr().err
     assert list(progress([1, 2, 3], "rollout", rank=1)) == [1, 2, 3]
@@ -447,6 +452,23 @@ def test_progress_bar_only_on_rank0_when_enabled(capsys):
     with progress(4, "validation", rank=0) as bar:
         bar.update(4)
         assert bar.n == 4 and bar.total == 4
+    assert "validation" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    with progress(4, "validation", rank=0) as bar:  # not a terminal (torchrun's --tee, a file): no bar
+        bar.update(4)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_on_a_terminal_only_past_its_delay(capsys, monkeypatch):
+    import rlstack.observability.progress as progress_module
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with progress(4, "validation", rank=0) as bar:  # a stage shorter than the delay shows nothing
+        bar.update(4)
+    assert "validation" not in capsys.readouterr().err
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
+    with progress(4, "validation", rank=0) as bar:
+        bar.update(4)
     assert "validation" in capsys.readouterr().err
 
 
@@ -537,8 +559,8 @@ def test_tiny_run_writes_metrics_events_and_charts(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["mem/rss_gib"] > 0 for r in rows)
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    step_lines = [ln for ln in capsys.readouterr().out.splitlines() if " INFO step " in ln and "|" in ln]
-    assert len(step_lines) == 3 and "rss_gib" in step_lines[-1]
+    step_lines = [ln for ln in capsys.readouterr().out.splitlines() if " step " in ln and "|" in ln]
+    assert len(step_lines) == 3 and " rss " in step_lines[-1]
     written = plot_run(str(run))
     assert {Path(p).name for p in written} == {"reward.png", "kl.png", "losses.png", "throughput.png"}
 
