@@ -7,11 +7,11 @@ One checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
                        controller, LR schedules), layout, model shapes (rank 0)
   config.yaml          the resolved experiment config
   hf_source/<role>/    config and tokenizer files of the role's starting HF checkpoint (for export)
-  COMPLETE.json        the completion marker, written last: every file of the checkpoint with its size
+  COMPLETE.json        the completion marker, written last: every other file of the checkpoint with its size
 
 Publication is atomic: everything is written under `step_N.tmp`; once every rank is done, rank 0
 writes the marker, renames the directory to `step_N`, then points `latest` at it. A directory
-whose marker is missing, unreadable or contradicted by the files (a truncated shard) is never
+whose marker is missing, unreadable or contradicted by the files (a truncated shard, a file it does not list) is never
 loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
 
 Changing TP/PP/DP between save and resume works: dist checkpointing reshards model and optimizer
