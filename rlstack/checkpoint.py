@@ -11,8 +11,8 @@ One checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
 
 Publication is atomic: everything is written under `step_N.tmp`; once every rank is done, rank 0
 writes the marker, renames the directory to `step_N`, then points `latest` at it. A directory
-whose marker is missing, unreadable or contradicted by the files (a truncated shard, a file it does not list) is never
-loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
+whose marker is missing, unreadable or contradicted by the files (a truncated shard, a file it does
+not list) is never loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
 
 Changing TP/PP/DP between save and resume works: dist checkpointing reshards model and optimizer
 tensors on load. RNG streams are restored only at the same layout (they are per rank).
