@@ -7,12 +7,12 @@ One checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
                        controller, LR schedules), layout, model shapes (rank 0)
   config.yaml          the resolved experiment config
   hf_source/<role>/    config and tokenizer files of the role's starting HF checkpoint (for export)
-  COMPLETE.json        the completion marker, written last: every file of the checkpoint with its size
+  COMPLETE.json        the completion marker, written last: every other file of the checkpoint with its size
 
 Publication is atomic: everything is written under `step_N.tmp`; once every rank is done, rank 0
 writes the marker, renames the directory to `step_N`, then points `latest` at it. A directory
-whose marker is missing, unreadable or contradicted by the files (a truncated shard) is never
-loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
+whose marker is missing, unreadable or contradicted by the files (a truncated shard, a file it does
+not list) is never loaded; `resume=auto` skips it, saying why, and takes the newest complete one.
 
 Changing TP/PP/DP between save and resume works: dist checkpointing reshards model and optimizer
 tensors on load. RNG streams are restored only at the same layout (they are per rank).
@@ -80,13 +80,20 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def write_marker(path: str, step: int) -> dict:
-    """List every file under `path` with its size in the completion marker (written last)."""
+def checkpoint_files(path: str) -> dict[str, int]:
+    """Every file under `path` but the completion marker: relative path -> size in bytes."""
     files = {}
     for dirpath, _, names in os.walk(path):
         for name in names:
             full = os.path.join(dirpath, name)
             files[os.path.relpath(full, path)] = os.path.getsize(full)
+    files.pop(MARKER, None)
+    return files
+
+
+def write_marker(path: str, step: int) -> dict:
+    """List every file under `path` with its size in the completion marker (written last)."""
+    files = checkpoint_files(path)
     marker = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
     with open(os.path.join(path, MARKER), "w") as f:
         json.dump(marker, f, indent=1, sort_keys=True)
@@ -127,8 +134,22 @@ def verify_checkpoint(path: str) -> dict:
                 f"checkpoint {path} is truncated: {rel} has {actual} bytes, the completion "
                 f"marker records {size}: it is not loaded; resume from another one or delete it"
             )
+    _refuse_unlisted(path, files)
     marker["step"] = step
     return marker
+
+
+def _refuse_unlisted(path: str, listed: dict) -> None:
+    """A file the marker does not list means the marker was written before the save finished (an
+    early marker lists no shards): the list, not just each listed file, must match what is there."""
+    unlisted = sorted(set(checkpoint_files(path)) - set(listed))
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
+        raise CheckpointError(
+            f"checkpoint {path} holds files its completion marker {MARKER} does not list ({shown}): "
+            "the marker does not describe this checkpoint, so it is not loaded; resume from another one "
+            "or delete it"
+        )
 
 
 def find_latest(root: str) -> Optional[str]:

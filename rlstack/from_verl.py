@@ -107,6 +107,43 @@ for _prefix in ("", "reward."):  # verl 0.9.1 reads reward.custom_reward_functio
     DIRECT[_prefix + "custom_reward_function.name"] = "data.reward_fn_name"
     DIRECT[_prefix + "custom_reward_function.reward_kwargs"] = "data.reward_kwargs"
 
+# rlstack keys that several verl keys translate onto on purpose: verl's old and new names for one
+# setting, the critic's copy of a setting rlstack keeps once for both roles, verl's combined
+# clip_ratio, every pass's micro-batch size. Any other two verl keys landing on one rlstack key is
+# a mapping error (tests/unit/test_from_verl_keys.py gives each verl key alone and checks).
+SHARED_TARGETS: dict[str, frozenset[str]] = {
+    "rollout.max_new_tokens": frozenset({"data.max_response_length", ROLLOUT + "response_length"}),
+    "model.gradient_checkpointing": frozenset(
+        {MODEL + "enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing"}
+    ),
+    "algorithm.clip_grad": frozenset({ACTOR + "optim.clip_grad", ACTOR + "grad_clip", "critic.grad_clip"}),
+    "algorithm.clip_ratio_low": frozenset({ACTOR + "clip_ratio", ACTOR + "clip_ratio_low"}),
+    "algorithm.clip_ratio_high": frozenset({ACTOR + "clip_ratio", ACTOR + "clip_ratio_high"}),
+    "algorithm.weight_decay": frozenset({ACTOR + "optim.weight_decay", "critic.optim.weight_decay"}),
+    "algorithm.lr_warmup_ratio": frozenset(
+        {ACTOR + "optim.lr_warmup_steps_ratio", "critic.optim.lr_warmup_steps_ratio"}
+    ),
+    "algorithm.lr_schedule": frozenset({ACTOR + "optim.lr_scheduler_type", ACTOR + "optim.warmup_style"}),
+    "algorithm.ppo_epochs": frozenset({ACTOR + "ppo_epochs", "critic.ppo_epochs"}),
+    "algorithm.loss_agg_mode": frozenset({ACTOR + "loss_agg_mode", "critic.loss_agg_mode"}),
+    "algorithm.micro_batch_size": frozenset(
+        {
+            ACTOR + "ppo_micro_batch_size",
+            ACTOR + "ppo_micro_batch_size_per_gpu",
+            "critic.ppo_micro_batch_size_per_gpu",
+            ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+            REF + "log_prob_micro_batch_size_per_gpu",
+        }
+    ),
+    "data.reward_fn_batched": frozenset({"reward.reward_manager.name", "reward_model.reward_manager"}),
+    "algorithm.name": frozenset({"algorithm.adv_estimator", "critic.model.path"}),  # ppo when a critic is named
+    **{
+        target: frozenset({key, "reward." + key})
+        for key, target in DIRECT.items()
+        if key.startswith("custom_reward_function.")
+    },
+}
+
 # verl keys translated by code below (units, several keys at once); their rlstack key for the hint.
 SPECIAL: dict[str, str] = {
     ACTOR + "ppo_mini_batch_size": "algorithm.mini_batch_size (sequences: verl's prompts x rollout.n)",

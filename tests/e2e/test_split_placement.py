@@ -32,6 +32,8 @@ def test_one_step_off_policy_learns(tmp_path):
     assert all(r["sync/bytes"] > 0 for r in rows[:-1]) and rows[-1]["sync/bytes"] == 0  # nothing ahead of the last
     for r in rows:
         assert 0 < r["is/weight_mean"] <= r["is/weight_max"] <= 2.0
+        if r["rollout/staleness"] == 1.0:  # sampled before the last step: old / rollout is not 1 everywhere
+            assert r["is/weight_max"] > 1.0 + 1e-4, (r["step"], r["is/weight_mean"], r["is/weight_max"])
         assert 0 <= r["is/clipped_frac"] <= 1
         assert r["timing/trainer_wait_rollout"] >= 0 and r["timing/rollout_wait_weights"] >= 0
 
