@@ -34,6 +34,7 @@ def batch(seed: int):
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3  # probabilities e^-3 .. 1
     logprob = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).clamp(max=-1e-3)
     adv = torch.randn(B, T, generator=g, dtype=torch.float64) * 2
+    adv[0] = 0.0  # a group whose samples all scored the same: A = 0 takes the "else" branches
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).double()  # [B, T], verl's response mask
     is_w = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5
