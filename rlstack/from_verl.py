@@ -856,13 +856,17 @@ def to_yaml_text(t: Translation, command: str = "") -> str:
     ]
     if command:
         lines.append(f"# verl: {command}")
-    section = None
+    path: list[str] = []  # the sections open at the previous line (algorithm, then filter_groups, ...)
     for key in sorted(t.values, key=lambda k: order.index(k) if k in order else len(order)):
-        head, leaf = key.split(".", 1)
-        if head != section:
-            lines += ["", f"{head}:"]
-            section = head
-        lines.append(f"  {leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
+        *sections, leaf = key.split(".")
+        common = 0
+        while common < min(len(path), len(sections)) and path[common] == sections[common]:
+            common += 1
+        for depth in range(common, len(sections)):
+            lines += [""] if depth == 0 else []
+            lines.append("  " * depth + f"{sections[depth]}:")
+        path = sections
+        lines.append("  " * len(sections) + f"{leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
     if t.ignored:
         lines += ["", "# Not needed in rlstack (no effect on what it computes):"]
         lines += [f"#   {item}: {why}" for item, why in t.ignored]

@@ -96,7 +96,11 @@ def test_every_new_loss_and_estimator_name_validates():
             "rollout.max_new_tokens=64",
         ),
         (
-            ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8", "reward.overlong_buffer.penalty_factor=-1"],
+            [
+                "reward.overlong_buffer.enable=true",
+                "reward.overlong_buffer.len=8",
+                "reward.overlong_buffer.penalty_factor=-1",
+            ],
             "penalty_factor is -1.0",
         ),
         (["algorithm.filter_groups.max_num_gen_batches=-1"], "max_num_gen_batches is -1"),
@@ -113,7 +117,11 @@ def test_warnings_for_settings_without_effect(caplog):
         check_algorithm_params(cfg_of("algorithm.policy_loss=cispo", "algorithm.policy_loss_params.tau_pos=2"))
         check_algorithm_params(cfg_of("algorithm.policy_loss=sapo"))  # loss_agg_mode token-mean is not read
         check_algorithm_params(
-            cfg_of("algorithm.filter_groups.enable=true", "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8")
+            cfg_of(
+                "algorithm.filter_groups.enable=true",
+                "reward.overlong_buffer.enable=true",
+                "reward.overlong_buffer.len=8",
+            )
         )
     text = caplog.text
     assert "tau_pos has no effect with policy_loss=cispo" in text
@@ -123,7 +131,11 @@ def test_warnings_for_settings_without_effect(caplog):
 
 
 def test_filter_groups_keys_are_accepted():
-    cfg = cfg_of("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10")
+    cfg = cfg_of(
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=10",
+    )
     check_algorithm_params(cfg)
     assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "acc")
     with pytest.raises(ConfigError, match="'algorithm.filter_groups.metric' is 'reward'"):
