@@ -10,6 +10,8 @@ Every estimator is registered by name in `ADVANTAGE_ESTIMATORS`; the trainer cal
   (Hu 2025, arXiv:2501.03262); returns are the raw returns-to-go.
 - reinforce_plus_plus_baseline: sequence score minus its group mean (0 for a group of one), broadcast
   over the response, then whitened over the batch; returns = advantages.
+More of verl's estimators (remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline) live in
+advantage_variants.py and register into the same table.
 Catalogue modelled on verl's trainer/ppo/core_algos.py; code written for this project.
 """
 

@@ -127,6 +127,11 @@ def test_clip_cov_random_pick_follows_the_generator():
         close(runs[0], runs[1])  # same seed, same pick: a resumed run repeats it
         picks.add(tuple((runs[0][[0, 3]] == 0).tolist()))  # cut: no gradient (tokens 1, 2 have A = 0)
     assert picks == {(True, False), (False, True)}
+    # generator=None draws from torch's global CPU generator, whose state checkpoints save per rank
+    state = torch.get_rng_state()
+    first = loss("clip_cov", COV_LOGP, COV_LOGP, COV_ADV)[2]
+    torch.set_rng_state(state)  # what a resume does (rlstack/checkpoint.py set_rng_state)
+    close(loss("clip_cov", COV_LOGP, COV_LOGP, COV_ADV)[2], first)
 
 
 def test_kl_cov_by_hand():
