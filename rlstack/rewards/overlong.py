@@ -7,15 +7,16 @@ added to its score: 0 up to L_max - len, then linear down to -penalty_factor at 
 DAPO reward manager (verl 0.9.1 `workers/reward_manager/dapo.py`), the line is not capped past
 L_max (the engines stop at L_max, so no response gets there). Pure Python.
 
-The trainer's one call (training scores only, before advantages; validation keeps task scores):
-    scores, penalties = shape_scores(scores, [len(g.response_ids) for g in gens], cfg.reward.overlong_buffer,
-                                     cfg.rollout.max_new_tokens)
-    metrics.update(overlong_metrics(collectives.sum_floats(overlong_sums(penalties), g.dp, g.device)))
+What the trainer needs (rlstack/trainer.py; training scores only, validation keeps task scores):
+    self.overlong = OverlongShaping(cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)  # __init__
+    scores = self.overlong(scores, [len(x.response_ids) for x in gens])  # _rewards, when over_dp (training)
+    metrics.update(self.overlong.metrics(lambda v: collectives.sum_floats(v, g.dp, g.device)))  # step end
+`_rewards` runs once per streamed part in split placement: the shaper sums over the calls of a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def overlong_penalty(length: int, max_length: int, buffer_len: int, penalty_factor: float) -> float:
@@ -52,3 +53,21 @@ def overlong_metrics(sums: Sequence[float]) -> dict:
     total, penalised, count = sums
     count = max(count, 1.0)
     return {"reward/overlong_penalty": total / count, "reward/overlong_frac": penalised / count}
+
+
+class OverlongShaping:
+    """Shapes each training batch's scores and keeps the step's penalty sums until `metrics`."""
+
+    def __init__(self, cfg, max_length: int):
+        self.cfg, self.max_length = cfg, max_length
+        self._sums = [0.0, 0.0, 0.0]
+
+    def __call__(self, scores: Sequence[float], lengths: Sequence[int]) -> list:
+        shaped, penalties = shape_scores(scores, lengths, self.cfg, self.max_length)
+        self._sums = [a + b for a, b in zip(self._sums, overlong_sums(penalties))]
+        return shaped
+
+    def metrics(self, reduce: Callable[[list], list]) -> dict:
+        """The step's metrics ({} when off); `reduce` sums the 3 floats over data-parallel ranks."""
+        sums, self._sums = self._sums, [0.0, 0.0, 0.0]
+        return overlong_metrics(reduce(sums)) if self.cfg.enable else {}

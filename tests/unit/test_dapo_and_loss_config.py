@@ -11,7 +11,7 @@ import pytest
 from rlstack.config import ConfigError, OverlongBufferConfig, load_config
 from rlstack.errors import UserError
 from rlstack.preflight import check_algorithm_params
-from rlstack.rewards.overlong import overlong_metrics, overlong_penalty, overlong_sums, shape_scores
+from rlstack.rewards.overlong import OverlongShaping, overlong_metrics, overlong_penalty, overlong_sums, shape_scores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +44,18 @@ def test_shape_scores_and_metrics():
     assert shape_scores([1.0, 0.0], [20, 20], off, 20) == ([1.0, 0.0], [0.0, 0.0])
     with pytest.raises(ValueError, match="one length per response"):
         shape_scores([1.0], [3, 4], cfg, 20)
+
+
+def test_the_trainer_side_shaper_sums_a_step_over_calls():
+    shaper = OverlongShaping(OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0), 20)
+    assert shaper([1.0, 1.0], [18, 10]) == [0.5, 1.0]  # one streamed part
+    assert shaper([0.0], [20]) == [-1.0]  # the next part of the same step
+    other_rank = [-0.25, 1.0, 1.0]
+    metrics = shaper.metrics(lambda v: [a + b for a, b in zip(v, other_rank)])
+    assert metrics == {"reward/overlong_penalty": -1.75 / 4, "reward/overlong_frac": 0.75}
+    assert shaper.metrics(lambda v: v) == {"reward/overlong_penalty": 0.0, "reward/overlong_frac": 0.0}  # reset
+    off = OverlongShaping(OverlongBufferConfig(), 20)
+    assert off([1.0], [20]) == [1.0] and off.metrics(lambda v: v) == {}
 
 
 # ----------------------------------------------------------------------------- config and preflight
