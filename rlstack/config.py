@@ -158,9 +158,9 @@ class AlgorithmConfig:
     policy_loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)  # the loss's own parameters
     gamma: float = 1.0
     lam: float = 1.0
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = 0.2  # dppo_tv / dppo_kl: the divergence thresholds instead of ratio ranges
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (dppo_*: the truncated-IS cap)
     value_clip: float = 0.2
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum[-norm] | seq-mean-token-mean

@@ -239,10 +239,8 @@ def gspo_policy_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-from rlstack.algorithms import policy_variants  # noqa: E402  registers sapo, gpg, clip_cov, ... (needs the above)
-
-policy_variants._check_params()
-names.check_registered("policy loss", POLICY_LOSSES, names.POLICY_LOSSES)
+# Registers sapo, gpg, clip_cov, ... (it needs the above) and checks the table against names.py.
+from rlstack.algorithms import policy_variants  # noqa: E402,F401
 
 
 def compute_policy_loss(name: str, *args, **kwargs) -> tuple[Tensor, dict[str, Tensor]]:

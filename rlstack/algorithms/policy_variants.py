@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rlstack.algorithms import names
-from rlstack.algorithms.losses import _on_mask, agg_loss, register_policy_loss
+from rlstack.algorithms.losses import POLICY_LOSSES, _on_mask, agg_loss, register_policy_loss
 from rlstack.algorithms.masked import apply_mask, as_float_mask, masked_mean
 
 
@@ -383,8 +383,6 @@ def dro_policy_loss(
 
 def _check_params() -> None:
     """Each registered loss takes exactly the keyword parameters names.POLICY_LOSS_PARAMS lists."""
-    from rlstack.algorithms.losses import POLICY_LOSSES
-
     for name, fn in POLICY_LOSSES.items():
         taken = [
             p.name
@@ -394,3 +392,8 @@ def _check_params() -> None:
         assert tuple(taken) == names.POLICY_LOSS_PARAMS.get(name, ()), (
             f"policy loss {name} takes {taken}: edit rlstack/algorithms/names.py POLICY_LOSS_PARAMS"
         )
+
+
+# Either module may be imported first; this one always finishes last (losses imports it at its middle).
+_check_params()
+names.check_registered("policy loss", POLICY_LOSSES, names.POLICY_LOSSES)
