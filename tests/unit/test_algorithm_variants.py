@@ -236,3 +236,15 @@ def test_new_estimators_through_compute_advantages():
         adv, ret = compute_advantages(name, scores=scores, group_ids=groups, mask=mask)
         close(adv[:, 0], expected)
         close(ret, adv)
+
+
+def test_variant_modules_can_be_imported_first():
+    """The registry checks pass whichever module a process imports first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import rlstack.algorithms.advantage_variants, rlstack.algorithms.policy_variants as p, rlstack.algorithms as a;"
+        "assert len(a.ADVANTAGE_ESTIMATORS) == 12 and len(a.POLICY_LOSSES) == 11"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
