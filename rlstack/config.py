@@ -113,17 +113,54 @@ class RolloutConfig:
 
 
 @dataclass
+class PolicyLossParams:
+    """Each policy loss's own parameters, with verl 0.9.1's names and defaults (verl:
+    actor.policy_loss.* and actor.tau_pos/tau_neg). A loss reads only its own (names.POLICY_LOSS_PARAMS)."""
+
+    tau_pos: float = 1.0  # sapo: gate temperature where the advantage is > 0
+    tau_neg: float = 1.05  # sapo: gate temperature where it is <= 0 (> tau_pos: negative updates fade sooner)
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of the tokens whose gradient is cut, in (0, 1]
+    clip_cov_lb: float = 1.0  # clip_cov: cut tokens have covariance (A - mean A)(logp - mean logp) above this
+    clip_cov_ub: float = 5.0  # clip_cov: ... and below this
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of the tokens (largest covariance) given the KL term, in (0, 1]
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of |log ratio| on those tokens
+    dro_beta: Optional[float] = None  # dro: weight of the quadratic log-ratio penalty; required (> 0)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): drop the prompts whose samples all
+    scored the same (no group-relative signal) and generate more until data.train_batch_size remain.
+    Accepted and validated; the trainer does not apply it yet (preflight warns)."""
+
+    enable: bool = False
+    # what must vary within a group: acc (the reward function's "acc" key; its score when it returns
+    # a number, as verl), score (the task score), seq_reward (the reward trained on before any KL
+    # penalty: score + overlong penalty; verl 0.9.1's default "reward")
+    metric: str = "seq_reward"
+    max_num_gen_batches: int = 0  # generation rounds per step at most; 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    adv_estimator: str = ""  # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline]; "": gae (ppo), grpo (grpo)
-    policy_loss: str = "vanilla"  # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip)
+    # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo (remax and
+    # optimal_token_baseline: refused until the trainer provides their inputs); "": gae (ppo), grpo (grpo)
+    adv_estimator: str = ""
+    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: the reward function's component keys
+    gdpo_reward_weights: list[float] = field(default_factory=list)  # gdpo: one weight per key; []: all 1
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip) | sapo | gpg | clip_cov | kl_cov |
+    # geo_mean | cispo | dppo_tv | dppo_kl | dro (docs/algorithms.md)
+    policy_loss: str = "vanilla"
+    policy_loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)  # the loss's own parameters
     gamma: float = 1.0
     lam: float = 1.0
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = 0.2  # dppo_tv / dppo_kl: the divergence thresholds instead of ratio ranges
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (dppo_*: the truncated-IS cap)
     value_clip: float = 0.2
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum[-norm] | seq-mean-token-mean
@@ -243,6 +280,24 @@ class RewardModelConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's reward_kwargs.overlong_buffer_cfg): a response longer than
+    rollout.max_new_tokens - len loses penalty_factor x (length - (max_new_tokens - len)) / len,
+    reaching penalty_factor at max_new_tokens. Logged as reward/overlong_penalty."""
+
+    enable: bool = False
+    len: int = 0  # the buffer, in tokens, below rollout.max_new_tokens (>= 1 when enabled)
+    penalty_factor: float = 1.0  # the penalty at the maximum length
+
+
+@dataclass
+class RewardConfig:
+    """Shaping applied to every training reward (rule, custom or reward-model)."""
+
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
 class PlacementConfig:
     """Which ranks host what (docs/placement.md)."""
 
@@ -272,6 +327,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
@@ -285,6 +341,7 @@ CHOICES = {
     "algorithm.name": ("ppo", "grpo"),
     "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
     "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
     "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
     "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,

@@ -101,7 +101,26 @@ DIRECT: dict[str, str] = {
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
     "trainer.critic_warmup": "algorithm.critic_warmup_steps",
     "trainer.seed": "trainer.seed",
+    # DAPO's dynamic sampling (the metric is translated below)
+    "algorithm.filter_groups.enable": "algorithm.filter_groups.enable",
+    "algorithm.filter_groups.max_num_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
+    "algorithm.gdpo_reward_keys": "algorithm.gdpo_reward_keys",
+    "algorithm.gdpo_reward_weights": "algorithm.gdpo_reward_weights",
+    ACTOR + "tau_pos": "algorithm.policy_loss_params.tau_pos",
+    ACTOR + "tau_neg": "algorithm.policy_loss_params.tau_neg",
 }
+for _param in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta"):
+    DIRECT[ACTOR + "policy_loss." + _param] = "algorithm.policy_loss_params." + _param
+# DAPO's overlong buffer, under the names verl's versions and recipes have used
+OVERLONG_PREFIXES = (
+    "reward_model.overlong_buffer.",
+    "custom_reward_function.overlong_buffer.",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.",
+    "reward.reward_kwargs.overlong_buffer_cfg.",
+)
+for _prefix in OVERLONG_PREFIXES:
+    for _leaf in ("enable", "len", "penalty_factor"):
+        DIRECT[_prefix + _leaf] = "reward.overlong_buffer." + _leaf
 for _prefix in ("", "reward."):  # verl 0.9.1 reads reward.custom_reward_function; older: top level
     DIRECT[_prefix + "custom_reward_function.path"] = "data.reward_fn_file"
     DIRECT[_prefix + "custom_reward_function.name"] = "data.reward_fn_name"
@@ -180,6 +199,11 @@ SPECIAL: dict[str, str] = {
     "reward.reward_manager.name": "data.reward_fn_batched (batch)",
     "reward_model.reward_manager": "data.reward_fn_batched (batch)",
     "reward_model.enable": "reward_model.path (an HF *ForSequenceClassification dir, num_labels=1)",
+    "algorithm.filter_groups.metric": "algorithm.filter_groups.metric",
+    "reward_model.reward_kwargs.max_resp_len": "rollout.max_new_tokens (the overlong buffer's maximum)",
+    "reward.reward_kwargs.max_resp_len": "rollout.max_new_tokens (the overlong buffer's maximum)",
+    ACTOR + "use_token_level_loss": "algorithm.loss_agg_mode=token-mean",
+    "data.gen_batch_size": "algorithm.filter_groups (prompts per generation round: not a setting yet)",
 }
 
 # verl keys with no effect on what rlstack computes: accepted and listed, not translated.
@@ -218,6 +242,8 @@ IGNORED_PREFIXES: dict[str, str] = {
     "ray_kwargs.": "no Ray in rlstack",
     "ray_init.": "no Ray in rlstack",
     "global_profiler.": "see --profile",
+    "algorithm.filter_groups.max_inflight_gen_batches": "verl's scheduling of generation rounds",
+    **{p + "log": "rlstack always logs reward/overlong_penalty and reward/overlong_frac" for p in OVERLONG_PREFIXES},
 }
 
 # verl defaults that differ from rlstack's: written out so the run keeps verl's meaning.
@@ -246,7 +272,19 @@ ESTIMATORS = {
     "rloo_vectorized": "rloo",
     "reinforce_plus_plus": "reinforce_plus_plus",
     "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+    "opo": "opo",
+    "grpo_passk": "grpo_passk",
+    "gpg": "gpg",
+    "gdpo": "gdpo",
+    "remax": "remax",
+    "optimal_token_baseline": "optimal_token_baseline",
 }
+# Estimators rlstack registers but whose inputs its trainer does not produce yet (preflight refuses them).
+ESTIMATORS_NOT_RUNNABLE = {
+    "remax": "needs a greedy rollout per prompt as its baseline, which rlstack does not generate yet",
+    "optimal_token_baseline": "needs sum_pi_squared from the actor's forward, which rlstack does not compute yet",
+}
+FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "reward": "seq_reward"}
 TRACKERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "file": "jsonl"}
 ENGINES = {"vllm": "vllm", "hf": "hf"}
 SCHEDULES = {"constant": "constant", "cosine": "cosine"}
@@ -372,7 +410,14 @@ def _algorithm(merged: dict, given: dict, t: Translation, src: Callable[[str], s
                 f"estimator not in rlstack: use one of {', '.join(sorted(set(ESTIMATORS.values())))}",
             )
         )
+    if estimator in ESTIMATORS_NOT_RUNNABLE:
+        t.unsupported.append((f"algorithm.adv_estimator={estimator}", ESTIMATORS_NOT_RUNNABLE[estimator]))
+    if estimator == "grpo_passk" and merged.get("algorithm.norm_adv_by_std_in_grpo") is False:
+        t.unsupported.append(
+            ("algorithm.norm_adv_by_std_in_grpo=False", "rlstack's grpo_passk always divides by the group std")
+        )
     handled |= {"algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"}
+    handled |= _policy_loss(given, t, src)
     critic_path = given.get("critic.model.path")
     if critic_path is not None or estimator == "gae":
         why = src("critic.model.path") if critic_path is not None else src("algorithm.adv_estimator")
@@ -396,6 +441,23 @@ def _algorithm(merged: dict, given: dict, t: Translation, src: Callable[[str], s
     _shared(merged, given, t, src, ACTOR + "loss_agg_mode", "critic.loss_agg_mode", "algorithm.loss_agg_mode")
     handled |= {"critic.ppo_epochs", "critic.grad_clip", "critic.optim.weight_decay", "critic.loss_agg_mode"}
     return handled
+
+
+def _policy_loss(given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """A loss mode rlstack lacks is named, not written (the config would refuse it); the old
+    use_token_level_loss flag is a loss_agg_mode."""
+    from rlstack.algorithms.names import POLICY_LOSSES
+
+    mode = given.get(ACTOR + "policy_loss.loss_mode")
+    if mode is not None and mode not in POLICY_LOSSES:
+        t.values.pop("algorithm.policy_loss", None)
+        t.sources.pop("algorithm.policy_loss", None)
+        t.unsupported.append((f"{ACTOR}policy_loss.loss_mode={mode}", f"rlstack's losses: {', '.join(POLICY_LOSSES)}"))
+    flag = given.get(ACTOR + "use_token_level_loss")
+    if flag is not None and ACTOR + "loss_agg_mode" not in given:
+        mode = "token-mean" if str(flag).lower() == "true" else "seq-mean-token-mean"
+        t.set("algorithm.loss_agg_mode", mode, src(ACTOR + "use_token_level_loss"))
+    return {ACTOR + "use_token_level_loss"}
 
 
 def _schedules(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
@@ -509,6 +571,14 @@ def _rewards(merged: dict, given: dict, t: Translation, src: Callable[[str], str
         key = "reward.reward_manager.name" if "reward.reward_manager.name" in given else "reward_model.reward_manager"
         if manager == "batch":
             t.set("data.reward_fn_batched", True, src(key))
+        elif manager == "dapo":  # per-sample scores + the overlong buffer (reward.overlong_buffer, below)
+            t.ignored.append(
+                (
+                    f"{key}=dapo",
+                    "rlstack scores each sample as the dapo manager does; its overlong "
+                    "penalty is reward.overlong_buffer.*",
+                )
+            )
         elif manager != "naive":
             t.unsupported.append(
                 (f"{key}={manager}", "rlstack calls the function per sample (naive) or batched (batch)")
@@ -523,6 +593,43 @@ def _rewards(merged: dict, given: dict, t: Translation, src: Callable[[str], str
             )
         )
     handled |= {"reward_model.enable", "reward.reward_model.enable"}
+    return handled | _dapo(merged, given, t, src)
+
+
+def _dapo(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """filter_groups.metric by rlstack's names; the overlong buffer's maximum is rollout.max_new_tokens."""
+    handled = {"algorithm.filter_groups.metric", "data.gen_batch_size"}
+    metric = given.get("algorithm.filter_groups.metric")
+    if metric is not None:
+        if metric in FILTER_METRICS:
+            t.set("algorithm.filter_groups.metric", FILTER_METRICS[metric], src("algorithm.filter_groups.metric"))
+        else:
+            t.unsupported.append(
+                (
+                    f"algorithm.filter_groups.metric={metric}",
+                    "rlstack's metrics: acc, score, seq_reward (verl's reward)",
+                )
+            )
+    if "data.gen_batch_size" in given:
+        t.unsupported.append(
+            (
+                f"data.gen_batch_size={given['data.gen_batch_size']}",
+                "rlstack generates data.train_batch_size prompts per dynamic-sampling round",
+            )
+        )
+    max_len = merged.get("data.max_response_length")
+    for key in ("reward_model.reward_kwargs.max_resp_len", "reward.reward_kwargs.max_resp_len"):
+        if key in given:
+            handled.add(key)
+            if given[key] == max_len:
+                t.ignored.append((f"{key}={given[key]}", "the overlong buffer ends at rollout.max_new_tokens"))
+            else:
+                t.unsupported.append(
+                    (
+                        f"{key}={given[key]}",
+                        f"rlstack's overlong buffer ends at rollout.max_new_tokens (data.max_response_length={max_len})",
+                    )
+                )
     return handled
 
 
@@ -786,13 +893,17 @@ def to_yaml_text(t: Translation, command: str = "") -> str:
     ]
     if command:
         lines.append(f"# verl: {command}")
-    section = None
+    path: list[str] = []  # the sections open at the previous line (algorithm, then filter_groups, ...)
     for key in sorted(t.values, key=lambda k: order.index(k) if k in order else len(order)):
-        head, leaf = key.split(".", 1)
-        if head != section:
-            lines += ["", f"{head}:"]
-            section = head
-        lines.append(f"  {leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
+        *sections, leaf = key.split(".")
+        common = 0
+        while common < min(len(path), len(sections)) and path[common] == sections[common]:
+            common += 1
+        for depth in range(common, len(sections)):
+            lines += [""] if depth == 0 else []
+            lines.append("  " * depth + f"{sections[depth]}:")
+        path = sections
+        lines.append("  " * len(sections) + f"{leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
     if t.ignored:
         lines += ["", "# Not needed in rlstack (no effect on what it computes):"]
         lines += [f"#   {item}: {why}" for item, why in t.ignored]

@@ -40,6 +40,7 @@ def preflight(cfg, world_size: int) -> Preflight:
     check_cache_dir(cfg)
     sources = check_data(cfg)
     check_reward(cfg, sources)
+    check_algorithm_params(cfg)
     check_context_length(cfg)
     check_prompt_lengths(cfg)
     resume_from = check_output_dir(cfg)
@@ -158,6 +159,102 @@ def check_reward(cfg, data_sources: list) -> None:
     scorer = RewardScorer.from_config(cfg.data)
     if not cfg.reward_model.path:  # with a reward model, a source without a rule gets the RM's score alone
         scorer.check_sources(data_sources)
+
+
+# ----------------------------------------------------------------------------- algorithm parameters
+
+# Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks.
+_NEEDS_TRAINER = {
+    "remax": "a greedy rollout of every prompt as its baseline (compute_advantages' reward_baselines)",
+    "optimal_token_baseline": (
+        "sum_pi_squared, the sum over the vocabulary of each token's squared probability, from the actor's forward"
+    ),
+}
+# (parameter, test, what it must be) of each policy loss's own parameters (algorithm.policy_loss_params).
+_LOSS_PARAM_RANGES = {
+    "tau_pos": (lambda v: v > 0, "> 0"),
+    "tau_neg": (lambda v: v > 0, "> 0"),
+    "clip_cov_ratio": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "clip_cov_lb": (lambda v: True, "a number"),
+    "clip_cov_ub": (lambda v: True, "a number"),
+    "kl_cov_ratio": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "ppo_kl_coef": (lambda v: v >= 0, ">= 0"),
+    "dro_beta": (lambda v: v is not None and v > 0, "> 0 (dro has no default: set it)"),
+}
+
+
+def check_algorithm_params(cfg) -> None:
+    """The chosen policy loss's parameters, the estimator's inputs, overlong shaping and dynamic sampling."""
+    import dataclasses
+    import logging
+
+    from rlstack.algorithms import names
+    from rlstack.config import PolicyLossParams, adv_estimator
+
+    a, log = cfg.algorithm, logging.getLogger("rlstack.preflight")
+    own = names.POLICY_LOSS_PARAMS.get(a.policy_loss, ())
+    for key in own:
+        ok, what = _LOSS_PARAM_RANGES[key]
+        value = getattr(a.policy_loss_params, key)
+        if not ok(value):
+            raise UserError(
+                f"algorithm.policy_loss_params.{key} is {value} with policy_loss={a.policy_loss}: it must be {what}"
+            )
+    p = a.policy_loss_params
+    if a.policy_loss == "clip_cov" and not p.clip_cov_lb < p.clip_cov_ub:
+        raise UserError(
+            f"algorithm.policy_loss_params.clip_cov_lb={p.clip_cov_lb} must be below clip_cov_ub={p.clip_cov_ub}"
+        )
+    for f in dataclasses.fields(PolicyLossParams):
+        if f.name not in own and getattr(p, f.name) != getattr(PolicyLossParams(), f.name):
+            log.warning("algorithm.policy_loss_params.%s has no effect with policy_loss=%s", f.name, a.policy_loss)
+    if a.policy_loss in names.SEQUENCE_MEAN_LOSSES and a.loss_agg_mode != "seq-mean-token-mean":
+        log.warning(
+            "policy_loss=%s aggregates seq-mean-token-mean (as verl): algorithm.loss_agg_mode=%s has no effect on it",
+            a.policy_loss,
+            a.loss_agg_mode,
+        )
+    _check_estimator_inputs(cfg, adv_estimator(cfg))
+    _check_dapo(cfg, log)
+
+
+def _check_estimator_inputs(cfg, estimator: str) -> None:
+    a = cfg.algorithm
+    if estimator in _NEEDS_TRAINER:
+        raise UserError(
+            f"algorithm.adv_estimator={estimator} needs {_NEEDS_TRAINER[estimator]}, which rlstack's trainer "
+            "does not provide yet: choose grpo, rloo, opo or another estimator"
+        )
+    if a.gdpo_reward_keys and estimator == "gdpo":
+        raise UserError(
+            "algorithm.gdpo_reward_keys: the trainer does not pass the reward function's per-key scores to "
+            "the advantages yet; leave it [] (gdpo then normalises the one score, as verl without keys)"
+        )
+    if a.gdpo_reward_weights and len(a.gdpo_reward_weights) != len(a.gdpo_reward_keys):
+        raise UserError(
+            f"algorithm.gdpo_reward_weights has {len(a.gdpo_reward_weights)} weights for "
+            f"{len(a.gdpo_reward_keys)} gdpo_reward_keys: give one weight per key, or []"
+        )
+
+
+def _check_dapo(cfg, log) -> None:
+    """reward.overlong_buffer and algorithm.filter_groups: values a run could use."""
+    o, f = cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
+    if o.enable:
+        if not 1 <= o.len <= cfg.rollout.max_new_tokens:
+            raise UserError(
+                f"reward.overlong_buffer.len is {o.len}: it must lie in [1, rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}] when reward.overlong_buffer.enable=true"
+            )
+        if o.penalty_factor < 0:
+            raise UserError(f"reward.overlong_buffer.penalty_factor is {o.penalty_factor}: it must be >= 0")
+        log.warning("reward.overlong_buffer: not applied by the trainer yet (rlstack/rewards/overlong.py has the call)")
+    if f.max_num_gen_batches < 0:
+        raise UserError(
+            f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"
+        )
+    if f.enable:
+        log.warning("algorithm.filter_groups.enable: dynamic sampling is not applied by the trainer yet")
 
 
 # ----------------------------------------------------------------------------- output directory

@@ -46,6 +46,18 @@ _EXPORTS = {
         "register_policy_loss",
         "value_loss",
     ),
+    "advantage_variants": ("gdpo", "gpg", "grpo_passk", "opo", "optimal_token_baseline", "remax", "reward_to_go"),
+    "policy_variants": (
+        "cispo_policy_loss",
+        "clip_cov_policy_loss",
+        "dppo_kl_policy_loss",
+        "dppo_tv_policy_loss",
+        "dro_policy_loss",
+        "geo_mean_policy_loss",
+        "gpg_policy_loss",
+        "kl_cov_policy_loss",
+        "sapo_policy_loss",
+    ),
     "rollout_is": ("IS_LEVELS", "is_metrics", "rollout_is_weights"),
     "masked": ("mask_counts", "masked_mean", "masked_sum", "masked_whiten", "whiten_stats"),
 }

@@ -10,6 +10,8 @@ Every estimator is registered by name in `ADVANTAGE_ESTIMATORS`; the trainer cal
   (Hu 2025, arXiv:2501.03262); returns are the raw returns-to-go.
 - reinforce_plus_plus_baseline: sequence score minus its group mean (0 for a group of one), broadcast
   over the response, then whitened over the batch; returns = advantages.
+More of verl's estimators (remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline) live in
+advantage_variants.py and register into the same table.
 Catalogue modelled on verl's trainer/ppo/core_algos.py; code written for this project.
 """
 
@@ -21,7 +23,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rlstack.algorithms import names
 from rlstack.algorithms.masked import ReduceFn, apply_mask, as_float_mask, masked_whiten
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
@@ -212,9 +213,6 @@ def _rfpp_baseline_estimator(*, mask, group_ids, reduce_fn, **inputs):
     return adv, adv
 
 
-names.check_registered("advantage estimator", ADVANTAGE_ESTIMATORS, names.ADVANTAGE_ESTIMATORS)
-
-
 def compute_advantages(
     name: str,
     *,
@@ -226,13 +224,23 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     reduce_fn: Optional[ReduceFn] = None,
+    reward_baselines: Optional[Tensor] = None,
+    old_logprob: Optional[Tensor] = None,
+    sum_pi_squared: Optional[Tensor] = None,
+    is_weights: Optional[Tensor] = None,
+    reward_components: Optional[Tensor] = None,
+    reward_weights: Optional[list] = None,
+    norm_adv_by_std: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(advantages [B, T], returns [B, T]) of the estimator `name`, ready for the PPO update.
 
     gae reads token_rewards and values (and reduce_fn: a SUM over data-parallel ranks, so the
-    whitening uses global statistics). grpo/drgrpo/rloo read group_ids and one of: scores [B], or
-    token_rewards [B, T] summed over the mask (use that form when the rewards carry a KL
-    penalty). Inputs an estimator does not read are ignored.
+    whitening uses global statistics). grpo/drgrpo/rloo/opo/grpo_passk/gpg/gdpo read group_ids and
+    one of: scores [B], or token_rewards [B, T] summed over the mask (use that form when the rewards
+    carry a KL penalty). remax reads token_rewards and reward_baselines [B] (the greedy response's
+    reward); optimal_token_baseline token_rewards, group_ids, old_logprob and sum_pi_squared [B, T]
+    (and is_weights); gdpo reward_components [K, B] and reward_weights [K] when given; grpo_passk
+    norm_adv_by_std. Inputs an estimator does not read are ignored.
     """
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
@@ -247,6 +255,13 @@ def compute_advantages(
         gamma=gamma,
         lam=lam,
         reduce_fn=reduce_fn,
+        reward_baselines=reward_baselines,
+        old_logprob=old_logprob,
+        sum_pi_squared=sum_pi_squared,
+        is_weights=is_weights,
+        reward_components=reward_components,
+        reward_weights=reward_weights,
+        norm_adv_by_std=norm_adv_by_std,
     )
 
 
@@ -292,3 +307,8 @@ def _check_same_shape(**tensors: Tensor) -> None:
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
         raise ValueError(f"expected equal [B, T] shapes, got {shapes}: pass per-token tensors of one batch")
+
+
+# Registers remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline (it uses the helpers above) and
+# then checks the table against names.py: it is the last of the two modules to finish loading.
+from rlstack.algorithms import advantage_variants  # noqa: E402,F401

@@ -239,11 +239,13 @@ def gspo_policy_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-names.check_registered("policy loss", POLICY_LOSSES, names.POLICY_LOSSES)
+# Registers sapo, gpg, clip_cov, ... (it needs the above) and checks the table against names.py.
+from rlstack.algorithms import policy_variants  # noqa: E402,F401
 
 
 def compute_policy_loss(name: str, *args, **kwargs) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy loss registered as `name` (algorithm.policy_loss), same arguments as policy_loss."""
+    """The policy loss registered as `name` (algorithm.policy_loss): policy_loss's arguments, plus the
+    loss's own keyword parameters (names.POLICY_LOSS_PARAMS: tau_pos, clip_cov_ratio, dro_beta, ...)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}: choose one of {', '.join(POLICY_LOSSES)}")
     return POLICY_LOSSES[name](*args, **kwargs)

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from rlstack.algorithms import agg_loss, compute_policy_loss, kl_loss, rollout_is_weights
+from rlstack.algorithms.names import loss_params
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens, fused_output_logprobs, shift_targets, vocab_parallel_logprobs
@@ -133,6 +134,7 @@ class Actor:
                 a.loss_agg_mode,
                 **counts,
                 is_weights=is_w,
+                **loss_params(a.policy_loss, a.policy_loss_params),  # tau_pos, clip_cov_ratio, dro_beta, ...
             )
             loss = pg
             ntok = mask.sum()

@@ -259,3 +259,108 @@ def test_fused_kernels_flag_maps_to_the_fused_lm_head():
     off = from_verl.translate({"actor_rollout_ref.model.use_fused_kernels": False})
     assert on.values["model.fused_output_logprobs"] is True
     assert off.values["model.fused_output_logprobs"] is False
+
+
+# verl's DAPO recipe (recipe/dapo/run_dapo_qwen2.5_32b.sh, the algorithm's keys), with the overlong
+# buffer under the reward_kwargs names verl 0.9.1's dapo manager reads
+DAPO = [
+    "algorithm.adv_estimator=grpo",
+    "algorithm.kl_ctrl.kl_coef=0.0",
+    "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.actor.kl_loss_coef=0.0",
+    "actor_rollout_ref.actor.clip_ratio_low=0.2",
+    "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    "actor_rollout_ref.rollout.n=16",
+    "algorithm.filter_groups.enable=True",
+    "algorithm.filter_groups.max_num_gen_batches=10",
+    "algorithm.filter_groups.metric=acc",
+    "algorithm.filter_groups.max_inflight_gen_batches=1",
+    "data.max_response_length=20480",
+    "data.gen_batch_size=1536",
+    "actor_rollout_ref.actor.use_token_level_loss=True",
+    "reward_model.reward_manager=dapo",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+    "+reward_model.reward_kwargs.max_resp_len=20480",
+    "trainer.total_training_steps=3",
+]
+
+
+def test_dapo_recipe_translates_and_validates(tmp_path):
+    t = from_verl.translate(from_verl.parse_command_line(DAPO))
+    v = t.values
+    assert (v["algorithm.clip_ratio_low"], v["algorithm.clip_ratio_high"]) == (0.2, 0.28)
+    assert v["algorithm.loss_agg_mode"] == "token-mean" and v["algorithm.use_kl_loss"] is False
+    assert (v["algorithm.filter_groups.enable"], v["algorithm.filter_groups.metric"]) == (True, "acc")
+    assert v["algorithm.filter_groups.max_num_gen_batches"] == 10
+    assert (v["reward.overlong_buffer.enable"], v["reward.overlong_buffer.len"]) == (True, 4096)
+    assert v["reward.overlong_buffer.penalty_factor"] == 1.0 and v["rollout.max_new_tokens"] == 20480
+    ignored = " ".join(item for item, _ in t.ignored)
+    for key in ("reward_model.reward_manager=dapo", "overlong_buffer_cfg.log", "max_resp_len=20480", "max_inflight"):
+        assert key in ignored
+    assert [item for item, _ in t.unsupported] == ["data.gen_batch_size=1536"]
+    out = tmp_path / "dapo.yaml"
+    out.write_text(from_verl.to_yaml_text(t))
+    cfg = load_config(str(out), ["data.synthetic=arith"])
+    assert cfg.reward.overlong_buffer.len == 4096 and cfg.algorithm.filter_groups.enable
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "reward_model.overlong_buffer.",
+        "custom_reward_function.overlong_buffer.",
+        "reward.reward_kwargs.overlong_buffer_cfg.",
+    ],
+)
+def test_overlong_buffer_under_each_verl_name(prefix):
+    keys = {prefix + "enable": True, prefix + "len": 512, prefix + "penalty_factor": 0.5}
+    t = from_verl.translate({**keys, "trainer.total_training_steps": 3})
+    assert t.values["reward.overlong_buffer.len"] == 512 and t.values["reward.overlong_buffer.penalty_factor"] == 0.5
+    assert not t.unsupported
+
+
+def test_policy_losses_and_their_parameters_translate(tmp_path):
+    loss = "actor_rollout_ref.actor.policy_loss."
+    t = from_verl.translate(
+        {
+            loss + "loss_mode": "clip_cov",
+            loss + "clip_cov_ratio": 0.001,
+            loss + "clip_cov_ub": 4.0,
+            "actor_rollout_ref.actor.tau_neg": 1.2,
+            "algorithm.adv_estimator": "gpg",
+            "actor_rollout_ref.rollout.n": 4,
+            "trainer.total_training_steps": 3,
+        }
+    )
+    v = t.values
+    assert v["algorithm.policy_loss"] == "clip_cov" and v["algorithm.adv_estimator"] == "gpg"
+    assert v["algorithm.policy_loss_params.clip_cov_ratio"] == 0.001
+    assert v["algorithm.policy_loss_params.clip_cov_ub"] == 4.0
+    assert v["algorithm.policy_loss_params.tau_neg"] == 1.2
+    out = tmp_path / "x.yaml"
+    out.write_text(from_verl.to_yaml_text(t))
+    load_config(str(out), ["data.synthetic=arith"])
+    # cispo (refused before these losses existed) now validates
+    cispo = from_verl.translate({loss + "loss_mode": "cispo", "trainer.total_training_steps": 3})
+    out.write_text(from_verl.to_yaml_text(cispo))
+    assert load_config(str(out), ["data.synthetic=arith"]).algorithm.policy_loss == "cispo"
+
+
+def test_unknown_loss_modes_and_unrunnable_estimators_are_named():
+    t = from_verl.translate(
+        {
+            "actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode",
+            "algorithm.adv_estimator": "optimal_token_baseline",
+            "trainer.total_training_steps": 3,
+        }
+    )
+    assert "algorithm.policy_loss" not in t.values
+    reasons = dict(t.unsupported)
+    assert "rlstack's losses" in reasons["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"]
+    assert "sum_pi_squared" in reasons["algorithm.adv_estimator=optimal_token_baseline"]
+    assert t.values["algorithm.adv_estimator"] == "optimal_token_baseline"  # kept: preflight refuses it by name
+    metric = from_verl.translate({"algorithm.filter_groups.metric": "reward", "trainer.total_training_steps": 3})
+    assert metric.values["algorithm.filter_groups.metric"] == "seq_reward"
