@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from rlstack.agent.setup import check_agent_config
 from rlstack.errors import UserError
 
 FIRST_ROWS = 64  # rows per data file validated up front (the run validates all when it loads them)
@@ -39,6 +40,7 @@ def preflight(cfg, world_size: int) -> Preflight:
     host_memory.wanted_allocator(cfg.parallel.host_allocator)  # tcmalloc asked for and not installed
     sources = check_data(cfg)
     check_reward(cfg, sources)
+    check_agent_config(cfg)  # rollout.agent_loop and rollout.multi_turn's tool files load
     resume_from = check_output_dir(cfg)
     return Preflight(dims=dims, data_sources=sources, resume_from=resume_from or "")
 
