@@ -99,12 +99,12 @@ class ToolAgentLoop(AgentLoop):
         return ""
 
     async def _call(self, call: ParsedCall, session: _Session) -> str:
-        """The text the model sees for one call: the tool's (truncated) response, or the error."""
+        """The text the model sees for one call: the tool's response (truncated), or the error (whole, as verl)."""
         session.calls += 1
         kind, text = await self._execute(call, session)
         if kind:
             session.errors[kind] += 1
-            text = f"Error: {text}"
+            return f"Error: {text}"
         return truncate_response(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
 
     async def _execute(self, call: ParsedCall, session: _Session) -> tuple[str, str]:

@@ -209,6 +209,8 @@ def _config_tool(entry: Any, index: int, path: str) -> Tool:
     config = entry.get("config") or {}
     cls = _import_class(entry["class_name"], where)
     schema = entry.get("tool_schema")
+    if schema is not None:  # checked before the class sees it: verl's BaseTool reads schema.function.name
+        _check_schema_name(schema, entry["class_name"], where)
     try:
         obj = cls(config=config, tool_schema=SchemaView(schema) if isinstance(schema, dict) else None)
     except Exception as e:
@@ -219,24 +221,22 @@ def _config_tool(entry: Any, index: int, path: str) -> Tool:
     if schema is None:
         schema = getattr(obj, "tool_schema", None)
         schema = schema.model_dump() if hasattr(schema, "model_dump") else schema
-    name = _schema_name(schema)
-    if not name:
-        raise UserError(
-            f"{where}: the tool_schema of {entry['class_name']} has no function.name: write "
-            "tool_schema: {type: function, function: {name: ..., description: ..., parameters: ...}}"
-        )
+    name = _check_schema_name(schema, entry["class_name"], where)
     for method in ("create", "execute", "release"):
         if not callable(getattr(obj, method, None)):
             raise UserError(f"{where}: {entry['class_name']} has no {method}(): implement verl's tool methods")
     return ClassTool(name, dict(schema), path, obj)
 
 
-def _schema_name(schema: Any) -> str:
-    if not isinstance(schema, dict):
-        return ""
-    function = schema.get("function")
+def _check_schema_name(schema: Any, class_name: str, where: str) -> str:
+    function = schema.get("function") if isinstance(schema, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
-    return name if isinstance(name, str) else ""
+    if not isinstance(name, str) or not name:
+        raise UserError(
+            f"{where}: the tool_schema of {class_name} has no function.name: write "
+            "tool_schema: {type: function, function: {name: ..., description: ..., parameters: ...}}"
+        )
+    return name
 
 
 def _import_class(class_name: str, where: str):
