@@ -48,6 +48,10 @@ class LoopSet:
         self._loops: dict[str, AgentLoop] = {}
         check_loop_name(default)
 
+    def register(self, name: str, loop: AgentLoop) -> None:
+        """Use `loop` for rows whose agent_name is `name` (a loop built in code, e.g. in tests)."""
+        self._loops[name] = loop
+
     def for_row(self, row: dict) -> AgentLoop:
         name = row.get("agent_name") or self.default
         if name not in self._loops:
