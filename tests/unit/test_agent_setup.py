@@ -262,3 +262,24 @@ def test_agent_metrics_and_rollout_data(tmp_path):
         "finish_reason",
     }
     assert reward_extra_info({"index": 3}, samples[0])["agent"]["tool_calls"] == 1
+
+
+def test_the_prompt_dataset_renders_the_tools_and_keeps_agent_name(tok, tmp_path):
+    from rlstack.data.dataset import PromptDataset
+
+    fn_path, _ = write_tools(tmp_path)
+    schemas = [t.schema for t in load_tools("", fn_path)]
+    rows = [
+        {"data_source": "arith", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "1"}},
+        {
+            "data_source": "arith",
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"ground_truth": "1"},
+            "agent_name": "tool_agent",
+        },
+    ]
+    plain, with_tools = PromptDataset(rows, tok, 4096), PromptDataset(rows, tok, 4096, tools=schemas)
+    assert "<tools>" not in tok.decode(plain[0].input_ids)
+    assert tok.decode(with_tools[0].input_ids).startswith("<|im_start|>system\n# Tools")
+    assert [p.agent_name for p in with_tools] == ["", "tool_agent"]
+    assert with_tools[0].messages == plain[0].messages  # the chat itself (a reward model re-templates it)

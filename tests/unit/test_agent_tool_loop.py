@@ -175,6 +175,7 @@ def test_class_tools_lifecycle_step_rewards_and_calc_reward_reach_extra(tok, too
     assert s.extra["tool_rewards"] == [0.5, 0.5]  # execute's step rewards
     assert s.extra["tool_calc_rewards"] == {"counter": 15.0}  # calc_reward at the trajectory's end
     assert "count=12" in _inserted_text(tok, s) and "count=15" in _inserted_text(tok, s)
-    events = next(m for n, m in sys.modules.items() if n.endswith("counter_tool_py")).EVENTS
+    counter = next(t for t in tools if t.name == "counter")
+    events = sys.modules[type(counter.obj).__module__].EVENTS
     assert [e[0] for e in events[-2:]] == ["create", "release"]  # one instance per trajectory
     assert events[-2][2] == {"start": 10}
