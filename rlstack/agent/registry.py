@@ -13,6 +13,7 @@ from rlstack.agent.base import AgentLoop
 from rlstack.errors import UserError
 
 BUILTIN_LOOPS = ("single_turn", "tool_agent")
+ALIASES = {"single_turn_agent": "single_turn"}  # verl's name, as verl datasets write it in agent_name
 
 
 def load_loop_class(spec: str, where: str = "rollout.agent_loop") -> type:
@@ -34,7 +35,7 @@ def load_loop_class(spec: str, where: str = "rollout.agent_loop") -> type:
 
 
 def check_loop_name(spec: str, where: str = "rollout.agent_loop") -> None:
-    if spec not in BUILTIN_LOOPS:
+    if ALIASES.get(spec, spec) not in BUILTIN_LOOPS:
         load_loop_class(spec, where)
 
 
@@ -54,6 +55,7 @@ class LoopSet:
 
     def for_row(self, row: dict) -> AgentLoop:
         name = row.get("agent_name") or self.default
+        name = ALIASES.get(name, name)
         if name not in self._loops:
             self._loops[name] = self._build(name, "agent_name" if row.get("agent_name") else "rollout.agent_loop")
         return self._loops[name]

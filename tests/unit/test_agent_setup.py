@@ -141,6 +141,8 @@ def test_loop_names(tmp_path):
         assert expected in _one_line(e) and "rollout.agent_loop" in str(e.value)
     loops = LoopSet("single_turn")
     assert type(loops.for_row({})).__name__ == "SingleTurnLoop"
+    assert type(loops.for_row({"agent_name": "single_turn_agent"})).__name__ == "SingleTurnLoop"  # verl's name
+    check_loop_name("single_turn_agent")
     assert type(loops.for_row({"agent_name": f"{loop_file}:Mine"})).__name__ == "Mine"  # verl's per-row column
     with pytest.raises(UserError) as e:
         loops.for_row({"agent_name": "nope"})
