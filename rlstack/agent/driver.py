@@ -143,6 +143,11 @@ class AgentRollout:
         }
         return samples
 
+    def close(self) -> None:
+        """End the run's event loop (the engine is the caller's)."""
+        if not self._loop.is_closed():
+            self._loop.close()
+
     async def _run_all(self, items, batcher: EngineBatcher, sampling) -> list[AgentSample]:
         batcher.live = len(items)
         tasks = [asyncio.ensure_future(self._one(i, p, r, batcher, sampling)) for i, (p, r) in enumerate(items)]
@@ -162,10 +167,10 @@ class AgentRollout:
         )
         try:
             out = await loop.run(list(prompt_ids), ctx)
-        except (UserError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            e.add_note(f"in agent loop {type(loop).__name__} (sample {index}): a bug in the loop")
+        except BaseException as e:
+            batcher.failed = True  # the rollout stops: no more engine calls for the others
+            if isinstance(e, Exception) and not isinstance(e, UserError):
+                e.add_note(f"in agent loop {type(loop).__name__} (sample {index}): a bug in the loop")
             raise
         finally:
             batcher.finished()

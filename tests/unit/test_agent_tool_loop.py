@@ -179,3 +179,27 @@ def test_class_tools_lifecycle_step_rewards_and_calc_reward_reach_extra(tok, too
     events = sys.modules[type(counter.obj).__module__].EVENTS
     assert [e[0] for e in events[-2:]] == ["create", "release"]  # one instance per trajectory
     assert events[-2][2] == {"start": 10}
+
+
+def test_a_failing_loop_stops_the_rollout_with_its_name_and_leaves_no_trajectory_waiting(tok, tools):
+    from rlstack.agent import AgentLoop
+
+    class Fails(AgentLoop):
+        async def run(self, prompt_ids, ctx):
+            await ctx.generate(prompt_ids)
+            if ctx.index == 1:
+                raise KeyError("no such field")
+            await ctx.generate(prompt_ids + [5])  # the others wait for a second turn
+            raise AssertionError("never reached: the rollout stopped")
+
+    engine, rollout, schemas = _rollout(tok, tools, {"a": [ANSWER], "b": [ANSWER], "c": [ANSWER]})
+    loops = LoopSet("single_turn")
+    loops.register("x", Fails())
+    rollout.loops = loops
+    prompts = [_prompt(tok, k, schemas) for k in "abc"]
+    with pytest.raises(KeyError) as e:
+        rollout.generate(prompts, [{"agent_name": "x"}] * 3, SamplingParams(max_new_tokens=50))
+    assert any("in agent loop Fails (sample 1)" in note for note in e.value.__notes__)
+    assert len(engine.calls) == 1  # the second turn never reached the engine
+    assert not [t for t in __import__("asyncio").all_tasks(rollout._loop) if not t.done()]
+    rollout.close()
