@@ -203,3 +203,30 @@ def test_a_failing_loop_stops_the_rollout_with_its_name_and_leaves_no_trajectory
     assert len(engine.calls) == 1  # the second turn never reached the engine
     assert not [t for t in __import__("asyncio").all_tasks(rollout._loop) if not t.done()]
     rollout.close()
+
+
+def test_the_feedback_example_answers_a_wrong_first_answer_with_a_feedback_turn(tok, tools, monkeypatch):
+    import os
+
+    from rlstack.agent.setup import check_agent_config
+    from rlstack.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(root)  # the example configs name their files relative to the repository
+    for name in ("smollm2_arith_feedback_cpu.yaml", "smollm2_arith_tools_cpu.yaml"):
+        check_agent_config(load_config(os.path.join("yaml_configs", name)))
+    script = {"wrong": ["It is 4. #### 4", "Sorry, it is 5. #### 5"], "right": ["It is 5. #### 5"]}
+    engine, rollout, schemas = _rollout(tok, [], script)
+    loops = LoopSet("examples/agents/feedback.py:FeedbackLoop")
+    rollout.loops = loops
+    prompts = [_prompt(tok, k, []) for k in script]
+    rows = [{"data_source": "arith", "reward_model": {"ground_truth": "5"}, "extra_info": {}}] * 2
+    wrong, right = rollout.generate(prompts, rows, SamplingParams(max_new_tokens=400))
+    assert right.num_turns == 2 and right.extra["first_correct"] is True and 0 not in right.response_mask
+    assert wrong.num_turns == 4 and wrong.extra == {"first_correct": False, "feedback": True, "finish_reason": "stop"}
+    assert (
+        _inserted_text(tok, wrong)
+        == "\n<|im_start|>user\nThat is not right, try again.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.decode(wrong.response_ids).endswith("Sorry, it is 5. #### 5<|im_end|>")  # the last answer is scored
+    assert [c["rows"] for c in engine.calls] == [2, 1]
