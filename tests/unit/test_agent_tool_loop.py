@@ -230,3 +230,28 @@ def test_the_feedback_example_answers_a_wrong_first_answer_with_a_feedback_turn(
     )
     assert tok.decode(wrong.response_ids).endswith("Sorry, it is 5. #### 5<|im_end|>")  # the last answer is scored
     assert [c["rows"] for c in engine.calls] == [2, 1]
+
+
+def test_a_loop_output_is_cut_to_the_budget_and_checked(tok, tools):
+    from rlstack.agent import AgentLoop, AgentOutput
+    from rlstack.errors import UserError
+
+    class Overlong(AgentLoop):
+        async def run(self, prompt_ids, ctx):
+            out = await ctx.generate(prompt_ids)
+            pad = [7] * 100
+            return AgentOutput(out.token_ids + pad, [1] * len(out.token_ids) + [0] * 100, out.logprobs + [0.0] * 100)
+
+    class Uneven(AgentLoop):
+        async def run(self, prompt_ids, ctx):
+            return AgentOutput([1, 2, 3], [1, 1], [0.0, 0.0, 0.0])
+
+    engine, rollout, schemas = _rollout(tok, tools, {"a": [ANSWER]}, budget=40)
+    rollout.loops = LoopSet("single_turn")
+    rollout.loops.register("long", Overlong())
+    rollout.loops.register("uneven", Uneven())
+    prompt = _prompt(tok, "a", schemas)
+    (s,) = rollout.generate([prompt], [{"agent_name": "long"}], SamplingParams(max_new_tokens=40))
+    assert len(s.response_ids) == len(s.response_mask) == len(s.logprobs) == 40 and s.finish_reason == "length"
+    with pytest.raises(UserError, match="Uneven: AgentOutput has 3 response_ids, 2 response_mask"):
+        rollout.generate([prompt], [{"agent_name": "uneven"}], SamplingParams(max_new_tokens=40))
