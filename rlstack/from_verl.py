@@ -239,6 +239,11 @@ IGNORED_PREFIXES: dict[str, str] = {
     "data.return_raw_input_ids": "rlstack applies the chat template itself",
     "data.reward_fn_key": "the scorer is chosen by data_source (or data.reward_scorer)",
     "data.dataloader_num_workers": "rows are loaded up front",
+    ROLLOUT
+    + "multi_turn.enable": "rlstack runs multi-turn whenever rollout.agent_loop (or a row's agent_name) says so",
+    ROLLOUT + "multi_turn.use_inference_chat_template": "rlstack trains on the ids the policy generated",
+    ROLLOUT + "multi_turn.tokenization_sanity_check_mode": "inserted turns are rendered as ids once (docs/agents.md)",
+    ROLLOUT + "agent.num_workers": "one asyncio driver per rank runs every trajectory",
     "ray_kwargs.": "no Ray in rlstack",
     "ray_init.": "no Ray in rlstack",
     "global_profiler.": "see --profile",
@@ -385,7 +390,17 @@ def translate(verl: dict[str, Any]) -> Translation:
 def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
     """Keys whose translation depends on other keys; returns the verl keys handled here."""
     handled: set[str] = set()
-    parts = (_algorithm, _schedules, _batches_and_paths, _engine, _recompute, _data_keys, _rewards, _trainer_keys)
+    parts = (
+        _algorithm,
+        _schedules,
+        _batches_and_paths,
+        _engine,
+        _recompute,
+        _data_keys,
+        _rewards,
+        _trainer_keys,
+        _agent_keys,
+    )
     for part in parts:
         handled |= part(merged, given, t, src)
     return handled
@@ -651,6 +666,46 @@ def _trainer_keys(merged: dict, given: dict, t: Translation, src: Callable[[str]
     return handled
 
 
+MULTI_TURN = ROLLOUT + "multi_turn."
+# verl's multi_turn keys -> rollout.multi_turn.*; verl's null (no path, no limit) -> "" / 0
+AGENT_KEYS: dict[str, tuple[str, Any]] = {
+    **{
+        MULTI_TURN + k: ("rollout.multi_turn." + k, null)
+        for k, null in (
+            ("tool_config_path", ""),
+            ("function_tool_path", ""),
+            ("format", "hermes"),
+            ("max_assistant_turns", 0),
+            ("max_user_turns", 0),
+            ("max_parallel_calls", 1),
+            ("max_tool_response_length", 256),
+            ("tool_response_truncate_side", "middle"),
+        )
+    },
+    "trainer.rollout_data_dir": ("trainer.rollout_data_dir", ""),
+}
+AGENT_LOOPS = {"single_turn_agent": "single_turn", "tool_agent": "tool_agent"}  # verl's registered names
+
+
+def _agent_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Multi-turn tool settings, the default agent loop and the rollout dump (docs/agents.md)."""
+    handled: set[str] = set()
+    for key, (target, null) in AGENT_KEYS.items():
+        if key in given:
+            t.set(target, null if given[key] is None else given[key], src(key))
+            handled.add(key)
+    key = ROLLOUT + "agent.default_agent_loop"
+    if key in given:
+        handled.add(key)
+        if given[key] in AGENT_LOOPS:
+            t.set("rollout.agent_loop", AGENT_LOOPS[given[key]], src(key))
+        else:
+            t.unsupported.append(
+                (f"{key}={_flow(given[key])}", "a verl agent loop: set rollout.agent_loop=FILE.py:Class")
+            )
+    return handled
+
+
 def _shared(merged, given, t, src, actor_key, critic_key, target) -> None:
     """rlstack has one value for actor and critic: the actor's wins, a different critic's is noted."""
     if critic_key in given and actor_key not in given:
@@ -870,6 +925,8 @@ def rlstack_name_for(verl_key: str) -> Optional[str]:
     """rlstack's key for a verl key (for config's "did you mean"), or None when verl has no such key."""
     if verl_key in DIRECT:
         return DIRECT[verl_key]
+    if verl_key in AGENT_KEYS:
+        return AGENT_KEYS[verl_key][0]
     if verl_key in SPECIAL:
         return SPECIAL[verl_key]
     reason = _ignored_reason(verl_key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from rlstack.agent.setup import check_agent_config
 from rlstack.errors import UserError
 
 FIRST_ROWS = 64  # rows per data file validated up front (the run validates all when it loads them)
@@ -43,6 +44,7 @@ def preflight(cfg, world_size: int) -> Preflight:
     check_algorithm_params(cfg)
     check_context_length(cfg)
     check_prompt_lengths(cfg)
+    check_agent_config(cfg)  # rollout.agent_loop and rollout.multi_turn's tool files load
     resume_from = check_output_dir(cfg)
     if resume_from:
         check_checkpoint_model(cfg, resume_from)

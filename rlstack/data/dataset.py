@@ -28,6 +28,7 @@ class Prompt:
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
     messages: list = field(default_factory=list)  # the chat before the template (a reward model re-templates it)
+    agent_name: str = ""  # the row's agent loop (verl's column); "": rollout.agent_loop
 
 
 class PromptDataset:
@@ -41,6 +42,7 @@ class PromptDataset:
         truncation: str = "error",
         system_prompt: str = "",
         prompt_key: str = "prompt",
+        tools: Optional[list[dict]] = None,  # tool schemas rendered into every prompt (rlstack.agent.render)
     ):
         if truncation not in TRUNCATION:
             raise UserError(f"truncation {truncation!r} is unknown: set data.truncation to error or drop")
@@ -51,7 +53,7 @@ class PromptDataset:
             origin = row_origin(row, index)
             row = validate_row(row, origin, prompt_key)  # rows built in code get the same checks
             messages = _messages(row[prompt_key], system_prompt)
-            ids = _tokenize(tokenizer, messages, origin)
+            ids = _tokenize(tokenizer, messages, origin, tools)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
                     raise UserError(
@@ -69,6 +71,7 @@ class PromptDataset:
                     ground_truth=str(row["reward_model"]["ground_truth"]),
                     extra_info=row["extra_info"],
                     messages=messages,
+                    agent_name=str(row.get("agent_name") or ""),
                 )
             )
         if rows and not self.prompts:
@@ -95,7 +98,11 @@ def _messages(messages: list[dict], system_prompt: str) -> list[dict]:
     return messages
 
 
-def _tokenize(tokenizer: Any, messages: list[dict], origin: str) -> list[int]:
+def _tokenize(tokenizer: Any, messages: list[dict], origin: str, tools: Optional[list[dict]] = None) -> list[int]:
+    if tools:  # the template's `tools`, or a system-prompt block for a template without tool support
+        from rlstack.agent.render import messages_with_tools
+
+        messages, tools = messages_with_tools(messages, tools, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             f"the model's tokenizer has no chat template (needed for {origin}): "
@@ -103,7 +110,10 @@ def _tokenize(tokenizer: Any, messages: list[dict], origin: str) -> list[int]:
         )
     try:
         # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        kwargs = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
     except Exception as e:  # jinja2 errors raised by the template itself (e.g. role order rules)
         raise UserError(
             f"{origin}: the model's chat template rejected the prompt ({type(e).__name__}: "

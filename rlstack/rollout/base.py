@@ -52,6 +52,15 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be -1 (off) or a positive count")
 
 
+def check_row_caps(caps: Optional[list[int]], num_prompts: int, params: SamplingParams) -> list[int]:
+    """Per-prompt max_new_tokens (an engine's optional `max_new_tokens` list), or params' for every prompt."""
+    if caps is None:
+        return [params.max_new_tokens] * num_prompts
+    if len(caps) != num_prompts or any(int(c) < 1 for c in caps):
+        raise ValueError(f"max_new_tokens needs one cap >= 1 per prompt ({num_prompts}), got {caps}")
+    return [int(c) for c in caps]
+
+
 @dataclass
 class Generation:
     prompt_index: int  # index into the `prompts` list given to `generate`
@@ -70,7 +79,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """n samples per prompt, ordered prompt-major: [p0s0, p0s1, ..., p1s0, ...]."""
+        """n samples per prompt, ordered prompt-major: [p0s0, p0s1, ..., p1s0, ...].
+
+        The hf and vLLM engines also take `max_new_tokens=[cap per prompt]` (agent turns of one
+        batched call, each capped by what is left of its trajectory's budget); `params.max_new_tokens`
+        is then ignored. Engines without it are only called with one cap (rlstack.agent.driver)."""
 
     @abstractmethod
     def param_targets(self) -> Optional[dict[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams
+from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams, check_row_caps
 from rlstack.rollout.lean_decode import LeanDecoder
 from rlstack.rollout.sampling import sample_next
 
@@ -232,10 +232,13 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
+    ) -> list[Generation]:
         params.validate()
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        caps = check_row_caps(max_new_tokens, len(prompts), params)
         start = time.perf_counter()
         generator = self._sampler(params)
         rows = [(i, prompts[i]) for i in range(len(prompts)) for _ in range(params.n)]  # prompt-major
@@ -250,7 +253,9 @@ class HFEngine(RolloutEngine):
             lean = LeanDecoder(self.model) if packed and LeanDecoder.supports(self.model) else None
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
-                for r, gen in zip(chunk, self._generate_batch([rows[r] for r in chunk], params, generator, lean)):
+                chunk_caps = [caps[rows[r][0]] for r in chunk]
+                batch = self._generate_batch([rows[r] for r in chunk], params, generator, lean, chunk_caps)
+                for r, gen in zip(chunk, batch):
                     results[r] = gen
         self._counters.seconds += time.perf_counter() - start
         self._counters.sequences += len(rows)
@@ -271,8 +276,11 @@ class HFEngine(RolloutEngine):
         params: SamplingParams,
         generator: torch.Generator,
         lean: Optional[LeanDecoder] = None,
+        caps: Optional[list[int]] = None,  # [B] each row's max_new_tokens (agent turns); None: params'
     ) -> list[Generation]:
         batch = len(rows)
+        row_caps = torch.tensor(caps or [params.max_new_tokens] * batch, dtype=torch.long)  # [B]
+        max_steps = int(row_caps.max())
         # Prefill each distinct prompt once and copy its KV cache to its n sample rows: the n samples of
         # a prompt share every prefill FLOP (with ~75-token prompts and ~25-token answers, prefill was
         # most of the rollout when each sample ran its own).
@@ -283,7 +291,7 @@ class HFEngine(RolloutEngine):
         input_ids, suffix_mask = self._left_pad([p[shared:] for p in unique])  # [U, L - shared] each
         mask = torch.cat([suffix_mask.new_ones((len(unique), shared)), suffix_mask], dim=1)  # [U, L]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]  # [U, L - shared]
-        cache = _reserved_cache(self.model.config, mask.shape[1] + params.max_new_tokens)
+        cache = _reserved_cache(self.model.config, mask.shape[1] + max_steps)
         if shared:
             prefix = torch.tensor([unique[0][:shared]], dtype=torch.long, device=self.device)  # [1, shared]
             self.model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -300,21 +308,23 @@ class HFEngine(RolloutEngine):
             expand = row_of.to(self.device)
             cache.batch_select_indices(expand)  # [U, ...] -> [B, ...]
             logits, mask, positions = logits[expand], mask[expand], positions[expand]
-        tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long)  # [B, N] on the host
-        logprobs = torch.empty((batch, params.max_new_tokens), dtype=torch.float32)
-        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)  # response length per row
-        stopped = torch.zeros(batch, dtype=torch.bool)
+        tokens = torch.empty((batch, max_steps), dtype=torch.long)  # [B, N] on the host
+        logprobs = torch.empty((batch, max_steps), dtype=torch.float32)
+        lengths = row_caps.clone()  # response length per row
+        stopped = torch.zeros(batch, dtype=torch.bool)  # at eos
+        done = torch.zeros(batch, dtype=torch.bool)  # at eos or at the row's cap
         active = torch.arange(batch)  # original row of each live batch row
         next_pos = positions[:, -1] + 1  # [b]
-        for step in range(params.max_new_tokens):
+        for step in range(max_steps):
             tok, lp = sample_next(logits, params, generator)  # [b], [b]
             tokens[active, step], logprobs[active, step] = tok.cpu(), lp.float().cpu()
-            newly = (tok == self.eos_token_id).cpu() & ~stopped[active]  # [b]
+            newly = (tok == self.eos_token_id).cpu() & ~done[active]  # [b]
             lengths[active[newly]] = step + 1
             stopped[active[newly]] = True
-            if step == params.max_new_tokens - 1 or bool(stopped.all()):
+            done[active[(row_caps[active] == step + 1) | newly]] = True
+            if step == max_steps - 1 or bool(done.all()):
                 break
-            keep = ~stopped[active]  # [b]; stopped rows still in the batch decode on, unread
+            keep = ~done[active]  # [b]; finished rows still in the batch decode on, unread
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [b, L+step+1]
             if (~keep).float().mean() >= _COMPACT_FINISHED_SHARE:
                 idx = self._rows_to_keep(keep)

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams
+from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams, check_row_caps
 
 _CPU_KV_CACHE_CAP = 2 << 30  # bytes; a CPU box shares memory with training, keep the cache bounded
 _CPU_KV_CACHE_MIN = 32 << 20
@@ -97,23 +97,15 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        from vllm import SamplingParams as VSamplingParams
-
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
+    ) -> list[Generation]:
         params.validate()
         greedy = params.greedy
-        vparams = VSamplingParams(
-            n=params.n,
-            temperature=0.0 if greedy else params.temperature,
-            top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 = off
-            max_tokens=params.max_new_tokens,
-            logprobs=0,
-            detokenize=False,
-            # Stop on our eos only (as the hf engine does), not on generation_config.json's eos list.
-            ignore_eos=True,
-            stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
-        )
+        if max_new_tokens is None:
+            vparams = self._vllm_params(params, params.max_new_tokens)
+        else:  # one SamplingParams per prompt (LLM.generate takes a list): each agent turn its own cap
+            vparams = [self._vllm_params(params, cap) for cap in check_row_caps(max_new_tokens, len(prompts), params)]
         start = time.perf_counter()
         with self._sampling_rng(None if greedy else params.seed):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
@@ -126,6 +118,23 @@ class VLLMEngine(RolloutEngine):
         self._counters["sequences"] += len(gens)
         self._counters["tokens"] += sum(len(g.response_ids) for g in gens)
         return gens
+
+    def _vllm_params(self, params: SamplingParams, max_tokens: int):
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.greedy
+        return VSamplingParams(
+            n=params.n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 = off
+            max_tokens=max_tokens,
+            logprobs=0,
+            detokenize=False,
+            # Stop on our eos only (as the hf engine does), not on generation_config.json's eos list.
+            ignore_eos=True,
+            stop_token_ids=[self.eos_token_id] if self.eos_token_id >= 0 else [],
+        )
 
     @contextlib.contextmanager
     def _sampling_rng(self, step_seed: Optional[int]):

@@ -364,3 +364,33 @@ def test_unknown_loss_modes_and_unrunnable_estimators_are_named():
     assert t.values["algorithm.adv_estimator"] == "optimal_token_baseline"  # kept: preflight refuses it by name
     metric = from_verl.translate({"algorithm.filter_groups.metric": "reward", "trainer.total_training_steps": 3})
     assert metric.values["algorithm.filter_groups.metric"] == "seq_reward"
+
+
+def test_multi_turn_tool_keys_and_the_rollout_dump_translate():
+    mt = "actor_rollout_ref.rollout.multi_turn."
+    t = from_verl.translate(
+        {
+            mt + "enable": True,
+            mt + "tool_config_path": "tools.yaml",
+            mt + "function_tool_path": None,
+            mt + "max_assistant_turns": None,
+            mt + "max_user_turns": 3,
+            mt + "max_parallel_calls": 2,
+            mt + "tool_response_truncate_side": "left",
+            "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
+            "trainer.rollout_data_dir": "dumps",
+        }
+    )
+    v = t.values
+    assert v["rollout.multi_turn.tool_config_path"] == "tools.yaml" and v["rollout.multi_turn.function_tool_path"] == ""
+    assert v["rollout.multi_turn.max_assistant_turns"] == 0 and v["rollout.multi_turn.max_user_turns"] == 3
+    assert (
+        v["rollout.multi_turn.max_parallel_calls"] == 2
+        and v["rollout.multi_turn.tool_response_truncate_side"] == "left"
+    )
+    assert v["rollout.agent_loop"] == "tool_agent" and v["trainer.rollout_data_dir"] == "dumps"
+    assert any(item.startswith(mt + "enable") for item, _ in t.ignored)
+    assert not [item for item, _ in t.unsupported if "multi_turn" in item or "agent" in item]
+    custom = from_verl.translate({"actor_rollout_ref.rollout.agent.default_agent_loop": "react_agent"})
+    assert any("react_agent" in item for item, _ in custom.unsupported) and "rollout.agent_loop" not in custom.values
+    assert from_verl.rlstack_name_for(mt + "max_user_turns") == "rollout.multi_turn.max_user_turns"
