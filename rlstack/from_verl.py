@@ -144,7 +144,9 @@ SHARED_TARGETS: dict[str, frozenset[str]] = {
     ),
     "algorithm.lr_schedule": frozenset({ACTOR + "optim.lr_scheduler_type", ACTOR + "optim.warmup_style"}),
     "algorithm.ppo_epochs": frozenset({ACTOR + "ppo_epochs", "critic.ppo_epochs"}),
-    "algorithm.loss_agg_mode": frozenset({ACTOR + "loss_agg_mode", "critic.loss_agg_mode"}),
+    "algorithm.loss_agg_mode": frozenset(
+        {ACTOR + "loss_agg_mode", "critic.loss_agg_mode", ACTOR + "use_token_level_loss"}
+    ),
     "algorithm.micro_batch_size": frozenset(
         {
             ACTOR + "ppo_micro_batch_size",
@@ -159,7 +161,13 @@ SHARED_TARGETS: dict[str, frozenset[str]] = {
     **{
         target: frozenset({key, "reward." + key})
         for key, target in DIRECT.items()
-        if key.startswith("custom_reward_function.")
+        if key.startswith("custom_reward_function.") and not target.startswith("reward.overlong_buffer.")
+    },
+    # the overlong buffer under every spelling verl's versions and recipes used (OVERLONG_PREFIXES)
+    **{
+        target: frozenset(key for key, t in DIRECT.items() if t == target)
+        for target in set(DIRECT.values())
+        if target.startswith("reward.overlong_buffer.")
     },
 }
 
