@@ -181,9 +181,10 @@ def _transform(target: str, config) -> str:
     return "row"
 
 
-def add_lora_(model, spec: LoraSpec, tp_group, layer_offset: int = 0) -> list[str]:
-    """Freeze every parameter of `model` (a GPTModel stage) and add adapters to the targeted linears,
-    initialised layout-free (`init_full_adapter`); returns the local names of the adapted linears.
+def add_lora_(model, spec: LoraSpec, tp_group, layer_offset: int = 0, trainable: tuple[str, ...] = ()) -> list[str]:
+    """Freeze every parameter of `model` (a GPTModel stage) but the submodules named in `trainable`
+    (a critic's value head: `output_layer`) and add adapters to the targeted linears, initialised
+    layout-free (`init_full_adapter`); returns the local names of the adapted linears.
     Call before megatron DDP wraps the model. `layer_offset`: this stage's first global layer."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -191,6 +192,9 @@ def add_lora_(model, spec: LoraSpec, tp_group, layer_offset: int = 0) -> list[st
     if spec.init not in INITS:
         raise ValueError(f"LoRA init {spec.init!r} is unknown: use one of {INITS}")
     model.requires_grad_(False)
+    for name in trainable:
+        if hasattr(model, name):  # a pipeline stage without it has nothing to keep
+            getattr(model, name).requires_grad_(True)
     adapted = []
     for name, layer in list(model.named_modules()):
         target = target_of(name)

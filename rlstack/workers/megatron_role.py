@@ -132,7 +132,7 @@ class MegatronRole:
         # DDP and the optimizer are built, so both hold the adapters only.
         self.lora = lora if lora is not None and optim is not None else None
         if self.lora is not None:
-            _add_lora(model, self.lora, groups, self.args)
+            _add_lora(model, self.lora, groups, self.args, value_head)
         self.max_tokens_per_micro_batch = 0  # algorithm.max_tokens_per_micro_batch (0: micro_batch_size rows)
         # model.remove_padding: each micro-batch's rows run packed end to end (rlstack/workers/packing.py)
         self.remove_padding = False
@@ -320,11 +320,13 @@ def _distributed(optim: OptimSettings) -> bool:
     return optim.use_distributed_optimizer and optim.optimizer == "adam"
 
 
-def _add_lora(model, spec, groups: ParallelGroups, args) -> None:
+def _add_lora(model, spec, groups: ParallelGroups, args, value_head: bool) -> None:
     from megatron_bridge.lora import add_lora_
     from megatron_bridge.mappings import layer_offset
 
-    add_lora_(model, spec, groups.tp, layer_offset(args, groups.pp_rank, groups.dims.pp))
+    offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
+    # a critic's value head is new: it trains in full beside the adapters
+    add_lora_(model, spec, groups.tp, offset, trainable=("output_layer",) if value_head else ())
 
 
 def _wrap_for_training(model, config, optim: OptimSettings):
