@@ -8,8 +8,8 @@ import json
 import pytest
 
 from rlstack.config import load_config
-from rlstack.planner import plan_for_config
 from rlstack.planner import memory as m
+from rlstack.planner import plan_for_config
 from tests.unit.test_plan import CFG_7B, QWEN_7B, S
 
 
