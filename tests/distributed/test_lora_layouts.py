@@ -171,6 +171,7 @@ def test_optimizer_state_holds_adapters_only(tiny_llama):
     full = [r[False] for r in per_rank]
     lora = [r[True] for r in per_rank]
     params, adapter_params = full[0]["params"], lora[0]["adapters"]
+    assert adapter_params == _planned_adapters(tiny_llama)  # the memory planner counts what megatron holds
     # Adam keeps exp_avg and exp_avg_sq (fp32) of this rank's shard; summed over DP the full count
     assert sum(r["state_bytes"] for r in full) == 2 * 4 * params
     assert sum(r["state_bytes"] for r in lora) == 2 * 4 * adapter_params
@@ -181,6 +182,14 @@ def test_optimizer_state_holds_adapters_only(tiny_llama):
         assert f["state_bytes"] == pytest.approx(4 * params, rel=0.05)
         assert lo["grad_buffer"] < 2 * adapter_params < f["grad_buffer"]  # no gradient buffer for the base
     print(f"optimizer state per rank: {full[0]['state_bytes']} B full, {lora[0]['state_bytes']} B LoRA")
+
+
+def _planned_adapters(hf_dir) -> int:
+    from megatron_bridge.hf import read_model_args
+    from rlstack.planner import memory as m
+    from rlstack.planner.shapes import shape_of
+
+    return m.stage_lora_params(shape_of(read_model_args(hf_dir), 1), 1, 1, RANK)
 
 
 def _optimizer_state_worker(hf_dir):
