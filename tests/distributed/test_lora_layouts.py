@@ -80,7 +80,7 @@ def _logits(role, input_ids):
 
 def _layout_worker(hf_dir, tp, pp):
     from megatron_bridge.hf import gather_hf_state_dict
-    from megatron_bridge.lora import adapter_state, adapters_disabled, load_adapter_state_
+    from megatron_bridge.lora import adapter_state, adapters_disabled, load_adapter_state_, merge_, unmerge_
     from megatron_bridge.parallel import init_distributed
 
     g = init_distributed(tp, pp)
@@ -104,6 +104,11 @@ def _layout_worker(hf_dir, tp, pp):
     out["adapters_after"] = adapter_state(role.module, g.tp, g.pp, off)
     with adapters_disabled(role.module):
         out["logits_off"] = _logits(role, full["tokens"])
+    out["logits_trained"] = _logits(role, full["tokens"])
+    merge_(role.module)  # W + scale * B @ A in each rank's shard, adapters off
+    out["logits_merged"] = _logits(role, full["tokens"])
+    unmerge_(role.module)
+    out["logits_unmerged"] = _logits(role, full["tokens"])
     base = _role(hf_dir, g, lora=False)
     out["logits_base"] = _logits(base, full["tokens"])
     return out if g.rank == 0 else None
@@ -129,6 +134,8 @@ def _check_world(result, exact_off: float = 0.0):
     off = (result["logits_off"] - result["logits_base"]).abs().max().item()
     assert off <= exact_off, f"adapters off vs the base model: max |logit diff| {off:.2e}"
     assert (result["logits"] - result["logits_base"]).abs().max() > 1e-3  # the adapters do something
+    for kind in ("logits_merged", "logits_unmerged"):
+        assert (result[kind] - result["logits_trained"]).abs().max() < TOL, kind
 
 
 def test_tp1_lora_step(reference):
