@@ -147,6 +147,33 @@ def _lora_forward_impl(layer, input, weight, *args, **kwargs):
     return output + layer.lora.delta(input)
 
 
+def _lora_sharded_state_dict(layer, prefix: str = "", sharded_offsets=(), metadata=None):
+    """The layer's class `sharded_state_dict` (dist checkpointing), with the split adapter sharded
+    over TP as its weight is. megatron-core 0.16.1's Column/RowParallelLinear.sharded_state_dict
+    (tensor_parallel/layers.py) TP-shards only `weight` / `bias` and saves every other tensor as
+    TP-replicated, which would keep one rank's shard of B (column) or A (row). The SwiGLU fc1's B
+    gets the [gate; up] factory MLP.sharded_state_dict applies to fc1's weight (transformer/mlp.py)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    state = type(layer).sharded_state_dict(layer, prefix, sharded_offsets, metadata)
+    adapter = layer.lora
+    key, axis = ("lora.B", 0) if adapter.parallel == "column" else ("lora.A", 1)
+    split = make_sharded_tensors_for_checkpoint(
+        {key: getattr(adapter, key[-1])},
+        prefix,
+        {key: axis},
+        sharded_offsets,
+        tp_group=layer.tp_group,
+        dp_cp_group=metadata["dp_cp_group"],
+    )
+    if adapter.transform == "gate_up":
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        split = {k: apply_swiglu_sharded_factory(v, sharded_offsets, singleton) for k, v in split.items()}
+    state.update(split)
+    return state
+
+
 # ---------------------------------------------------------------- attaching
 
 
@@ -210,6 +237,7 @@ def add_lora_(model, spec: LoraSpec, tp_group, layer_offset: int = 0, trainable:
             parallel, _transform(target, model.config), a_shape, b_shape, spec, tp_group, weight.dtype
         )
         layer._forward_impl = types.MethodType(_lora_forward_impl, layer)
+        layer.sharded_state_dict = types.MethodType(_lora_sharded_state_dict, layer)
         adapted.append(name)
     init_adapters_(model, spec, tp_group, layer_offset)
     return adapted

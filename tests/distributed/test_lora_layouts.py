@@ -218,3 +218,45 @@ def _optimizer_state_worker(hf_dir):
             "adapters": count_adapter_params(role.module),
         }
     return out
+
+
+# ---------------------------------------------------------------- dist checkpoint of the adapters
+
+
+def _checkpoint_worker(hf_dir, path, layouts):
+    """Save a trained LoRA actor (with its optimizer) at the first layout, load it at each other one:
+    the adapters in TP1 layout, per layout."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.lora import adapter_state, load_adapter_state_
+    from megatron_bridge.parallel import init_distributed
+    from rlstack.checkpoint import load_role, save_role
+
+    out = []
+    for i, (tp, pp) in enumerate(layouts):
+        g = init_distributed(tp, pp)
+        role = _role(hf_dir, g, optimizer="adam")
+        off = _offset(role)
+        if i == 0:
+            load_adapter_state_(role.module, _random_adapters(adapter_state(role.module, g.tp, g.pp, off)), g.tp, off)
+            _loss_step(role, _batch(role.args.vocab_size))
+            assert role.optimizer.step()[0]
+            save_role(role, path, g, with_optimizer=True)
+        else:
+            load_role(role, path, with_optimizer=True)
+        out.append(adapter_state(role.module, g.tp, g.pp, off))
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_adapters_checkpoint_at_tp2_load_at_tp1_and_pp2(tiny_llama, tmp_path):
+    """megatron dist checkpointing of the adapters and their Adam state: saved at TP2, loaded (and
+    resharded) at TP1 x DP2 and PP2: the same adapters."""
+    (tmp_path / "ckpt").mkdir()
+    per_rank = run_distributed(
+        _checkpoint_worker, 2, tiny_llama, str(tmp_path / "ckpt"), [(2, 1), (1, 1), (1, 2)], timeout=120
+    )
+    saved, *loaded = per_rank[0]
+    assert any(t.abs().max() > 0 for n, t in saved.items() if n.endswith(".B"))
+    for state in loaded:
+        assert _max_diff(state, saved) == dict.fromkeys(saved, 0.0)
