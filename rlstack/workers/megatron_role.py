@@ -320,6 +320,23 @@ def _distributed(optim: OptimSettings) -> bool:
     return optim.use_distributed_optimizer and optim.optimizer == "adam"
 
 
+def lora_spec(lora_cfg, seed: int = 0):
+    """A `model.lora` / `critic.lora` config section -> megatron_bridge.lora.LoraSpec (MegatronRole's
+    `lora`), or None when its rank is 0. `seed` (trainer.seed) seeds A's init."""
+    from megatron_bridge.lora import LoraSpec, resolve_targets
+
+    if lora_cfg.rank <= 0:
+        return None
+    return LoraSpec(
+        rank=lora_cfg.rank,
+        alpha=lora_cfg.alpha,
+        dropout=lora_cfg.dropout,
+        target_modules=resolve_targets(lora_cfg.target_modules),
+        init=lora_cfg.init,
+        seed=seed,
+    )
+
+
 def _add_lora(model, spec, groups: ParallelGroups, args, value_head: bool) -> None:
     from megatron_bridge.lora import add_lora_
     from megatron_bridge.mappings import layer_offset

@@ -85,3 +85,14 @@ def test_settings_lora_cannot_combine_with(tmp_path):
     model = _model_dir(tmp_path, moe)
     with pytest.raises(UserError, match="model.lora.rank=4 with a MoE model: LoRA on routed experts"):
         check_lora(_cfg(f"model.path={model}", "model.lora.rank=4"))
+
+
+def test_config_section_becomes_the_role_spec():
+    from megatron_bridge.lora import TARGETS
+    from rlstack.workers.megatron_role import lora_spec
+
+    assert lora_spec(_cfg().model.lora) is None
+    spec = lora_spec(_cfg("model.lora.rank=8", "model.lora.alpha=4").model.lora, seed=3)
+    assert (spec.rank, spec.scale, spec.target_modules, spec.seed) == (8, 0.5, TARGETS, 3)
+    spec = lora_spec(_cfg("critic.lora.rank=2", "critic.lora.target_modules=[linear_fc2,linear_qkv]").critic.lora)
+    assert spec.target_modules == ("linear_qkv", "linear_fc2")
