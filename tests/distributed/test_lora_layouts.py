@@ -156,6 +156,8 @@ def test_layouts_equal_tp1(tiny_llama, reference, tp, pp):
     for kind in ("grads", "adapters"):
         worst = max(_max_diff(result[kind], reference[kind]).items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, f"TP{tp} x PP{pp} {kind} {worst[0]}: max abs diff {worst[1]:.2e}"
+        print(f"TP{tp} x PP{pp} {kind}: max abs diff {worst[1]:.1e}")
+    print(f"TP{tp} x PP{pp} logits: max abs diff {(result['logits'] - reference['logits']).abs().max():.1e}")
 
 
 # ---------------------------------------------------------------- optimizer state per rank
