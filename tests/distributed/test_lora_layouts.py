@@ -33,12 +33,12 @@ def _random_adapters(state: dict) -> dict:
     return out
 
 
-def _role(hf_dir, g, optimizer="sgd", lora=True):
+def _role(hf_dir, g, optimizer="sgd", lora=True, fused=False):
     from rlstack.workers.megatron_role import MegatronRole, OptimSettings
 
     settings = dict(optimizer="sgd", lr=0.5) if optimizer == "sgd" else dict(optimizer="adam", lr=1e-2, adam_eps=1e-3)
     optim = OptimSettings(clip_grad=0.0, use_distributed_optimizer=optimizer == "adam", **settings)
-    return MegatronRole(hf_dir, g, torch.float32, optim=optim, lora=_spec() if lora else None)
+    return MegatronRole(hf_dir, g, torch.float32, optim=optim, lora=_spec() if lora else None, fused_output=fused)
 
 
 def _offset(role):
@@ -78,13 +78,13 @@ def _logits(role, input_ids):
     return megatron_logits(role.module, input_ids, role.groups, role.args.vocab_size)
 
 
-def _layout_worker(hf_dir, tp, pp):
+def _layout_worker(hf_dir, tp, pp, fused=False):
     from megatron_bridge.hf import gather_hf_state_dict
     from megatron_bridge.lora import adapter_state, adapters_disabled, load_adapter_state_, merge_, unmerge_
     from megatron_bridge.parallel import init_distributed
 
     g = init_distributed(tp, pp)
-    role = _role(hf_dir, g)
+    role = _role(hf_dir, g, fused=fused)
     off = _offset(role)
     load_adapter_state_(role.module, _random_adapters(adapter_state(role.module, g.tp, g.pp, off)), g.tp, off)
     full = _batch(role.args.vocab_size)
@@ -145,9 +145,14 @@ def test_tp1_lora_step(reference):
     assert all(reference["grads"][n].abs().max() > 0 for n in names), "an adapter got no gradient"
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_layouts_equal_tp1(tiny_llama, reference, tp, pp):
-    result = run_distributed(_layout_worker, tp * pp, tiny_llama, tp, pp)[0]
+@pytest.mark.parametrize(
+    "tp,pp,fused",
+    [(2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True)],
+    ids=["tp2", "pp2", "tp2pp2", "tp2-fused-output"],
+)
+def test_layouts_equal_tp1(tiny_llama, reference, tp, pp, fused):
+    """fused: model.fused_output_logprobs (the default), the LM head frozen inside the fused log-prob."""
+    result = run_distributed(_layout_worker, tp * pp, tiny_llama, tp, pp, fused)[0]
     # TP > 1: the base model's trainable linears and the frozen ones reduce in another order
     _check_world(result, exact_off=1e-6)
     assert (result["logits"] - reference["logits"]).abs().max() < TOL
