@@ -31,7 +31,8 @@ EXTRAS = {
     # PyTorch); never the unrelated PyPI package named `apex`.
     "gpu": ["transformer-engine[pytorch]"],
     "tracking": ["tensorboard", "matplotlib"],
-    "dev": ["pytest", "pytest-timeout", "ruff==0.17.6"],
+    # peft: tests load the LoRA export with peft.PeftModel.from_pretrained (tests/distributed/test_lora_export.py)
+    "dev": ["pytest", "pytest-timeout", "ruff==0.17.6", "peft"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("vllm", "gpu") for dep in deps})
 

@@ -26,6 +26,28 @@ class ConfigError(UserError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the megatron linears (megatron_bridge/lora.py, docs/lora.md): the base weights
+    frozen, only the adapters trained; with LoRA the reference policy is the actor with its adapters off."""
+
+    rank: int = 0  # adapter rank r; 0: LoRA off (every weight trains)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input while training; 0: none
+    # `all-linear` or a list of megatron module names: linear_qkv, linear_proj, linear_fc1, linear_fc2
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # A's initialisation: xavier (verl / Megatron-Bridge's default) | kaiming (PEFT's default) |
+    # gaussian (PEFT's "gaussian", std 1/rank); B starts at zero, so step 0 is the base model
+    init: str = "xavier"
+
+
+@dataclass
+class CriticConfig:
+    """The critic (algorithm.name=ppo)."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the critic's decoder; its value head trains in full
+
+
+@dataclass
 class ModelConfig:
     """Which model the actor, critic and reference start from."""
 
@@ -48,6 +70,7 @@ class ModelConfig:
     # (megatron's THD format, RoPE and attention per row): no forward or backward on padding (verl's
     # use_remove_padding). Applies without pipeline parallelism; equal results (rounding aside).
     remove_padding: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the actor; rank 0: full fine-tuning
 
 
 @dataclass
@@ -354,11 +377,14 @@ class ExperimentConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 CHOICES = {
     "model.tiny.arch": ("llama", "qwen2", "qwen3", "qwen3_moe"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.lora.init": ("xavier", "kaiming", "gaussian"),
+    "critic.lora.init": ("xavier", "kaiming", "gaussian"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.host_allocator": ("auto", "tcmalloc", "glibc"),
     "rollout.engine": ("hf", "vllm"),
@@ -606,6 +632,8 @@ def check_values(cfg: ExperimentConfig) -> None:
     _check_positive(cfg)
     _check_ranges(cfg)
     _check_recompute(cfg.model)
+    for key in ("model.lora", "critic.lora"):
+        _check_lora(get_dotted(cfg, key), key)
     _check_schedule_ranges(cfg)
     p = cfg.parallel
     if p.dp == 0 or p.dp < -1:
@@ -632,6 +660,29 @@ def check_values(cfg: ExperimentConfig) -> None:
 # "moe_act" needs grouped-GEMM experts and "mla_up_proj" MLA, which the bridge builds neither of),
 # and rlstack's "mlp_act" (the dense MLP's SwiGLU product: megatron_bridge/act_recompute.py)
 RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn", "moe", "mlp_act")
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron_bridge.lora.TARGETS
+
+
+def _check_lora(lora: LoraConfig, key: str) -> None:
+    """The model-free LoRA checks; those that need the model's shape are preflight's (check_lora)."""
+    if lora.rank < 0:
+        raise ConfigError(f"'{key}.rank' is {lora.rank}: use 0 (LoRA off) or a positive rank")
+    if lora.rank == 0:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"'{key}.alpha' is {lora.alpha}: use a positive value (the scale is alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"'{key}.dropout' is {lora.dropout}: use a value in [0, 1)")
+    names = lora.target_modules
+    if not names:
+        raise ConfigError(f"'{key}.target_modules' is empty: use all-linear or some of {', '.join(LORA_TARGETS)}")
+    for name in names:
+        if name != "all-linear" and name not in LORA_TARGETS:
+            raise ConfigError(
+                f"'{key}.target_modules' has unknown module {name!r}: use all-linear or some of {', '.join(LORA_TARGETS)}"
+            )
 
 
 def _check_recompute(m: ModelConfig) -> None:

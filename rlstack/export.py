@@ -10,6 +10,9 @@ label (`score.weight` = the value head, no bias), whose per-token logits are the
 with `--critic-format seq-cls` a `*ForSequenceClassification` one instead (num_labels=1, the same
 `score.weight`, pad_token_id set), the reward-model format: `reward_model.path` or
 `model.critic_path` of a later run loads it, and transformers scores the last non-pad token.
+LoRA (docs/lora.md): `export_peft_adapter` writes a PEFT adapter directory and `export_merged` a
+merged HF model from megatron-layout adapters; checkpoints do not hold adapters yet, so the command
+line does not reach them.
 Weights come from the checkpoint's dist-checkpoint shards, resharded on load to `--tp/--pp`
 (default 1 x 1: one process is enough); config and tokenizer files come from the copy of the
 starting HF checkpoint stored inside the checkpoint.
@@ -106,6 +109,37 @@ def _export_role(path: str, role: str, out: str, groups, critic_format: str = "t
         log.info("exported the %s of %s to %s", role, path, out)
     collectives.barrier(groups.world, groups.device)
     return out if state is not None else None
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def export_peft_adapter(adapters: dict, base_hf_dir: str, out: str, alpha: float, dropout: float = 0.0) -> str:
+    """LoRA adapters in megatron layout (`megatron_bridge.lora.adapter_state`: global name -> TP1
+    tensor) -> a PEFT adapter directory that `peft.PeftModel.from_pretrained(<base HF model>, out)`
+    loads. Runs on one process (the caller gathers the adapters first)."""
+    from megatron_bridge.hf import read_model_args
+    from megatron_bridge.lora_export import write_peft_adapter
+
+    args = read_model_args(base_hf_dir)
+    write_peft_adapter(out, adapters, args, alpha, dropout, base_model=os.path.abspath(base_hf_dir))
+    log.info("exported a PEFT LoRA adapter (%d tensors) to %s", len(adapters), out)
+    return out
+
+
+def export_merged(adapters: dict, base_hf_dir: str, out: str, scale: float) -> str:
+    """The base HF checkpoint with every adapter merged in (W + scale * B @ A, scale = alpha / rank):
+    a plain HF directory (config and tokenizer copied from `base_hf_dir`). One process."""
+    from megatron_bridge.hf import SafetensorsReader, read_model_args, save_hf
+    from megatron_bridge.layouts import WHOLE
+    from megatron_bridge.lora_export import merged_hf_state
+
+    args = read_model_args(base_hf_dir)
+    reader = SafetensorsReader(base_hf_dir)
+    base = {name: reader.read(name, WHOLE) for name in reader.files}
+    save_hf(merged_hf_state(base, adapters, args, scale), args, out, base_hf_dir)
+    log.info("exported the base model with LoRA merged in to %s", out)
+    return out
 
 
 def _build_empty(args, groups, value_head: bool):

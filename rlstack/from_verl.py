@@ -181,6 +181,20 @@ SPECIAL: dict[str, str] = {
     ACTOR + "optim.warmup_style": "algorithm.lr_schedule",
     "critic.model.path": "model.critic_path (and algorithm.name=ppo)",
     "critic.ppo_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    MODEL + "lora_rank": "model.lora.rank",
+    MODEL + "lora_alpha": "model.lora.alpha",
+    MODEL
+    + "target_modules": "model.lora.target_modules (megatron names: linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+    MODEL + "lora.rank": "model.lora.rank",
+    MODEL + "lora.alpha": "model.lora.alpha",
+    MODEL + "lora.dropout": "model.lora.dropout",
+    MODEL + "lora.target_modules": "model.lora.target_modules",
+    MODEL + "lora.lora_A_init_method": "model.lora.init",
+    "critic.model.lora_rank": "critic.lora.rank",
+    "critic.model.lora_alpha": "critic.lora.alpha",
+    "critic.model.target_modules": "critic.lora.target_modules",
+    "critic.model.lora.rank": "critic.lora.rank",
+    "critic.model.lora.alpha": "critic.lora.alpha",
     "critic.ppo_mini_batch_size": "algorithm.mini_batch_size",
     "critic.ppo_epochs": "algorithm.ppo_epochs",
     "critic.grad_clip": "algorithm.clip_grad",
@@ -404,6 +418,7 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
         _batches_and_paths,
         _engine,
         _recompute,
+        _lora,
         _data_keys,
         _rewards,
         _trainer_keys,
@@ -576,6 +591,101 @@ def _recompute(merged: dict, given: dict, t: Translation, src: Callable[[str], s
         for name in sorted(set(modules) - set(known)):
             t.unsupported.append((f"recompute_modules: {name}", f"rlstack's modules: {', '.join(RECOMPUTE_MODULES)}"))
     return set(keys.values())
+
+
+# verl 0.9.1 has two LoRA spellings under each model section: the FSDP keys (`lora_rank`, `lora_alpha`,
+# `target_modules` with HF module names) and Megatron-Bridge's `lora.*` dict (megatron module names,
+# alpha default 32, A init `lora_A_init_method`). rlstack is megatron: `lora.*` wins when both are set.
+LORA_SECTIONS = {MODEL: "model.lora", "critic.model.": "critic.lora"}
+HF_TO_MEGATRON_LORA = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+MEGATRON_LORA_DEFAULTS = {"alpha": 32}  # verl 0.9.1 `model.lora.alpha`
+MEGATRON_LORA_FIXED = {"type": "lora", "lora_B_init_method": "zero", "dropout_position": "pre"}
+
+
+def _lora(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """LoRA keys of the actor's and the critic's model sections (both verl spellings)."""
+    handled: set[str] = set()
+    for prefix, target in LORA_SECTIONS.items():
+        handled |= _lora_fsdp(prefix, target, given, t, src)
+        handled |= _lora_megatron(prefix, target, given, t, src)
+    return handled
+
+
+def _lora_fsdp(prefix: str, target: str, given: dict, t: Translation, src) -> set[str]:
+    keys = {name: prefix + name for name in ("lora_rank", "lora_alpha", "target_modules") if prefix + name in given}
+    if "lora_rank" in keys:
+        t.set(target + ".rank", int(given[keys["lora_rank"]]), src(keys["lora_rank"]))
+    if "lora_alpha" in keys:
+        t.set(target + ".alpha", float(given[keys["lora_alpha"]]), src(keys["lora_alpha"]))
+    if "target_modules" in keys:
+        _lora_targets(given[keys["target_modules"]], target, keys["target_modules"], t, src)
+    if prefix + "lora_adapter_path" in given:
+        t.unsupported.append((f"{prefix}lora_adapter_path", "rlstack starts LoRA from fresh adapters"))
+        keys["lora_adapter_path"] = prefix + "lora_adapter_path"
+    return set(keys.values())
+
+
+def _lora_megatron(prefix: str, target: str, given: dict, t: Translation, src) -> set[str]:
+    section = prefix + "lora."
+    keys = {k[len(section) :]: k for k in given if k.startswith(section)}
+    if "rank" not in keys:
+        return set(keys.values())  # without a rank the section does nothing in verl either
+    t.set(target + ".rank", int(given[keys["rank"]]), src(keys["rank"]))
+    alpha = given.get(keys.get("alpha", ""), MEGATRON_LORA_DEFAULTS["alpha"])
+    t.set(
+        target + ".alpha", float(alpha), src(keys["alpha"]) if "alpha" in keys else f"verl's default {section}alpha=32"
+    )
+    if "dropout" in keys:
+        t.set(target + ".dropout", float(given[keys["dropout"]]), src(keys["dropout"]))
+    if "target_modules" in keys:
+        _lora_targets(given[keys["target_modules"]], target, keys["target_modules"], t, src)
+    if "lora_A_init_method" in keys:
+        init = str(given[keys["lora_A_init_method"]])
+        if init in ("xavier", "kaiming", "gaussian"):
+            t.set(target + ".init", init, src(keys["lora_A_init_method"]))
+        else:
+            t.unsupported.append((f"{keys['lora_A_init_method']}={init}", "rlstack's inits: xavier, kaiming, gaussian"))
+    for name, value in MEGATRON_LORA_FIXED.items():
+        if name in keys and given[keys[name]] != value:
+            t.unsupported.append((f"{keys[name]}={_flow(given[keys[name]])}", f"rlstack's LoRA has {name}={value}"))
+    for name in ("exclude_modules", "adapter_path"):
+        if given.get(keys.get(name, ""), None):
+            t.unsupported.append((f"{keys[name]}={_flow(given[keys[name]])}", "no rlstack equivalent"))
+    return set(keys.values())
+
+
+def _lora_targets(value, target: str, key: str, t: Translation, src) -> None:
+    """`all-linear`, megatron names, or HF names (q/k/v -> the fused linear_qkv, gate/up -> linear_fc1)."""
+    names = [value] if isinstance(value, str) else list(value)
+    if "all-linear" in names:
+        t.set(target + ".target_modules", "all-linear", src(key))
+        return
+    mapped = {HF_TO_MEGATRON_LORA.get(n, n) for n in names}
+    fused = {"linear_qkv": {"q_proj", "k_proj", "v_proj"}, "linear_fc1": {"gate_proj", "up_proj"}}
+    for name, parts in fused.items():
+        partial = parts & set(names)
+        if partial and partial != parts:
+            t.unsupported.append(
+                (
+                    f"{key}: {', '.join(sorted(partial))}",
+                    f"rlstack adapts the fused {name}: {', '.join(sorted(parts))} all",
+                )
+            )
+    order = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    unknown = sorted(mapped - set(order))
+    for name in unknown:
+        t.unsupported.append((f"{key}: {name}", f"rlstack's LoRA targets: all-linear or {', '.join(order)}"))
+    known = [n for n in order if n in mapped]
+    if known:
+        t.set(target + ".target_modules", known, src(key))
 
 
 def _data_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:

@@ -37,6 +37,7 @@ def preflight(cfg, world_size: int) -> Preflight:
     if cfg.reward_model.path:
         check_reward_model_dir(cfg.reward_model.path)
     dims = check_layout(cfg, world_size)
+    check_lora(cfg)
     host_memory.wanted_allocator(cfg.parallel.host_allocator)  # tcmalloc asked for and not installed
     check_cache_dir(cfg)
     sources = check_data(cfg)
@@ -54,6 +55,62 @@ def preflight(cfg, world_size: int) -> Preflight:
 def _get(cfg, key: str):
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def lora_layer_dims(args) -> dict[str, tuple[int, int]]:
+    """(in, out) of each LoRA target module (megatron names) of a dense model, whole (TP1)."""
+    q_rows, kv_rows = args.num_attention_heads * args.head_dim, args.num_query_groups * args.head_dim
+    return {
+        "linear_qkv": (args.hidden_size, q_rows + 2 * kv_rows),
+        "linear_proj": (q_rows, args.hidden_size),
+        "linear_fc1": (args.hidden_size, 2 * args.ffn_hidden_size),  # SwiGLU: [gate; up]
+        "linear_fc2": (args.ffn_hidden_size, args.hidden_size),
+    }
+
+
+def check_lora(cfg) -> None:
+    """model.lora / critic.lora against the model and the other settings: one line naming the fix."""
+    from rlstack.parallel import model_args_from_config
+
+    sections = [("model.lora", cfg.model.lora), ("critic.lora", cfg.critic.lora)]
+    if cfg.critic.lora.rank > 0 and cfg.algorithm.name != "ppo":
+        raise UserError(
+            f"critic.lora.rank={cfg.critic.lora.rank} but algorithm.name={cfg.algorithm.name} has no critic: "
+            "set critic.lora.rank=0 (or algorithm.name=ppo)"
+        )
+    if not any(lora.rank > 0 for _, lora in sections):
+        return
+    if cfg.model.lora.rank > 0 and cfg.offload.reference:
+        raise UserError(
+            "offload.reference=true with model.lora: the reference is the actor with its adapters off, "
+            "there is no reference model to offload: set offload.reference=false"
+        )
+    args = model_args_from_config(cfg.model)
+    if args is None:
+        return  # provisioned later (default, tiny): the shape is checked when the model is built
+    for key, lora in sections:
+        if lora.rank > 0:
+            _check_lora_shape(key, lora, args, cfg.parallel.ep)
+
+
+def _check_lora_shape(key: str, lora, args, ep: int) -> None:
+    from rlstack.config import LORA_TARGETS
+
+    if args.moe is not None or ep > 1:
+        raise UserError(
+            f"{key}.rank={lora.rank} with a MoE model: LoRA on routed experts (split over EP) is not "
+            f"supported yet: set {key}.rank=0 or use a dense model"
+        )
+    targets = LORA_TARGETS if "all-linear" in lora.target_modules else lora.target_modules
+    for name, (fan_in, fan_out) in lora_layer_dims(args).items():
+        if name in targets and lora.rank > min(fan_in, fan_out):
+            raise UserError(
+                f"{key}.rank={lora.rank} is larger than {name}'s dimensions ({fan_out} x {fan_in}): "
+                f"set {key}.rank <= {min(fan_in, fan_out)}"
+            )
 
 
 # ----------------------------------------------------------------------------- model

@@ -255,6 +255,11 @@ def _with(cfg, overrides: dict):
 
 def _notes(cfg, plan: Plan) -> list[str]:
     notes = []
+    lora = getattr(getattr(cfg.model, "lora", None), "rank", 0)
+    if lora > 0 and (cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        notes.append(
+            f"LoRA (rank {lora}): the reference is the actor with its adapters off, no second copy of the weights"
+        )
     kv = plan.kv
     if kv.recommended_share is not None:
         if kv.available_bytes < 0:

@@ -109,7 +109,21 @@ def _optimizer_bytes(shape, dims, params: int, s: Setting, dist_opt: bool) -> in
     return dense + m.optimizer_bytes(experts, s.mixed_precision, max(dims.dp // dims.ep, 1), dist_opt)
 
 
+def lora_of(cfg, role: str):
+    """The role's LoRA section when its rank is > 0 (model.lora for the actor, critic.lora), else None."""
+    section = cfg.model if role == "actor" else getattr(cfg, "critic", None)
+    lora = getattr(section, "lora", None)
+    return lora if lora is not None and lora.rank > 0 else None
+
+
+def _lora_targets(lora) -> tuple:
+    return m.LORA_TARGETS if "all-linear" in lora.target_modules else tuple(lora.target_modules)
+
+
 def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
+    lora = lora_of(cfg, role)
+    if lora is not None:
+        return lora_trainable_items(role, lora, cfg, dims, shape, s, stage, value_head)
     params = m.stage_params(shape, dims.tp, dims.pp, stage, value_head=value_head)
     dist_opt = cfg.parallel.use_distributed_optimizer and dims.dp > 1
     dtype = "fp32" if s.param_bytes == 4 else cfg.model.dtype[:2] + "16"
@@ -131,6 +145,38 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
     ]
     items += activation_items(role, cfg, dims, shape, s, stage, value_head)
     return items
+
+
+def lora_trainable_items(role: str, lora, cfg, dims, shape, s: Setting, stage: int, value_head: bool) -> list[Item]:
+    """LoRA: the base weights frozen (no gradient buffer, no optimizer state); gradients, Adam state
+    (sharded over DP by the distributed optimizer) and step temporaries for the adapters (and a
+    critic's value head) only."""
+    base = m.stage_params(shape, dims.tp, dims.pp, stage, value_head=value_head)
+    adapters = m.stage_lora_params(shape, dims.tp, dims.pp, lora.rank, _lora_targets(lora))
+    trained = adapters + (shape.hidden_size if value_head and stage == dims.pp - 1 else 0)
+    dist_opt = cfg.parallel.use_distributed_optimizer and dims.dp > 1
+    dtype = "fp32" if s.param_bytes == 4 else cfg.model.dtype[:2] + "16"
+    opt_name = ("fp32 main params + " if s.mixed_precision else "") + "Adam m, v of the trained params"
+    opt_name += f", /dp{dims.dp} (distributed optimizer)" if dist_opt else ""
+    items = [
+        Item(
+            role, f"weights ({dtype}, {_count(base)} frozen base params)", _every(m.weight_bytes(base, s.param_bytes))
+        ),
+        Item(
+            role,
+            f"LoRA adapters ({dtype}, rank {lora.rank}, {_count(adapters)} params)",
+            _every(adapters * s.param_bytes),
+        ),
+        Item(role, f"gradients (fp32 DDP buffer, {_count(trained)} trained params)", _every(m.grad_bytes(trained))),
+        Item(role, f"optimizer ({opt_name})", _every(m.optimizer_bytes(trained, s.mixed_precision, dims.dp, dist_opt))),
+        Item(
+            role,
+            "optimizer step temporaries (torch Adam)",
+            {"step": m.adam_step_temp_bytes(trained, dims.dp, dist_opt)},
+            transient=True,
+        ),
+    ]
+    return items + activation_items(role, cfg, dims, shape, s, stage, value_head)
 
 
 def _recompute_label(recompute: bool, selective: tuple) -> str:
@@ -190,10 +236,16 @@ def _logprob_bytes(cfg, tp: int, shape, s: Setting, train: bool) -> int:
 
 
 def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
+    """With LoRA on the actor the reference is the actor with its adapters off: no weights of its own,
+    only its forward's temporaries."""
     params = m.stage_params(shape, dims.tp, dims.pp, stage)
     mb, e = s.train_mb, s.param_bytes
-    items = [
-        Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e)),
+    weights = (
+        []
+        if lora_of(cfg, "actor")
+        else [Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e))]
+    )
+    items = weights + [
         Item(
             "reference",
             f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",

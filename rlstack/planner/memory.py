@@ -109,6 +109,31 @@ def total_params(s: Shape) -> int:
     return layer_params(s, 1) * s.num_layers + embedding + head + s.hidden_size
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_layer_params(s: Shape, tp: int, rank: int, targets=LORA_TARGETS) -> int:
+    """LoRA adapter parameters of one dense layer on one TP rank (megatron_bridge/lora.py):
+    column-parallel (qkv, fc1) A [r, in] replicated + B [out/t, r]; row-parallel (proj, fc2)
+    A [r, in/t] + B [out, r] replicated."""
+    h, f = s.hidden_size, s.ffn_hidden_size
+    qkv_out = s.q_size + 2 * s.kv_size
+    per_target = {
+        "linear_qkv": rank * h + qkv_out * rank // tp,
+        "linear_proj": rank * s.q_size // tp + h * rank,
+        "linear_fc1": rank * h + 2 * f * rank // tp,  # SwiGLU [gate; up]
+        "linear_fc2": rank * f // tp + h * rank,
+    }
+    return sum(per_target[t] for t in targets)
+
+
+def stage_lora_params(s: Shape, tp: int, pp: int, rank: int, targets=LORA_TARGETS) -> int:
+    """The adapters of one pipeline stage on one TP rank (0 when rank is 0)."""
+    if rank <= 0:
+        return 0
+    return lora_layer_params(s, tp, rank, targets) * (s.num_layers // pp)
+
+
 # ----------------------------------------------------------------------------- training state
 
 

@@ -119,6 +119,7 @@ class MegatronRole:
         recompute: Recompute = False,
         value_head_seed: int = 0,
         fused_output: bool = False,
+        lora=None,
     ):
         from megatron_bridge.hf import build_megatron_from_hf
 
@@ -127,6 +128,11 @@ class MegatronRole:
             hf_dir, groups, dtype=dtype, value_head=value_head, recompute=recompute, value_head_seed=value_head_seed
         )
         self.config = model.config
+        # `lora` (a megatron_bridge.lora.LoraSpec, rank > 0): the base frozen and adapters added before
+        # DDP and the optimizer are built, so both hold the adapters only.
+        self.lora = lora if lora is not None and optim is not None else None
+        if self.lora is not None:
+            _add_lora(model, self.lora, groups, self.args, value_head)
         self.max_tokens_per_micro_batch = 0  # algorithm.max_tokens_per_micro_batch (0: micro_batch_size rows)
         # model.remove_padding: each micro-batch's rows run packed end to end (rlstack/workers/packing.py)
         self.remove_padding = False
@@ -312,6 +318,32 @@ def _distributed(optim: OptimSettings) -> bool:
     """megatron-core 0.16.1's DistributedOptimizer takes Adam only ("Only Adam and HybridDeviceOptimizer
     currently supported", distrib_optimizer.py): SGD (a test-only setting) keeps the plain optimizer."""
     return optim.use_distributed_optimizer and optim.optimizer == "adam"
+
+
+def lora_spec(lora_cfg, seed: int = 0):
+    """A `model.lora` / `critic.lora` config section -> megatron_bridge.lora.LoraSpec (MegatronRole's
+    `lora`), or None when its rank is 0. `seed` (trainer.seed) seeds A's init."""
+    from megatron_bridge.lora import LoraSpec, resolve_targets
+
+    if lora_cfg.rank <= 0:
+        return None
+    return LoraSpec(
+        rank=lora_cfg.rank,
+        alpha=lora_cfg.alpha,
+        dropout=lora_cfg.dropout,
+        target_modules=resolve_targets(lora_cfg.target_modules),
+        init=lora_cfg.init,
+        seed=seed,
+    )
+
+
+def _add_lora(model, spec, groups: ParallelGroups, args, value_head: bool) -> None:
+    from megatron_bridge.lora import add_lora_
+    from megatron_bridge.mappings import layer_offset
+
+    offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
+    # a critic's value head is new: it trains in full beside the adapters
+    add_lora_(model, spec, groups.tp, offset, trainable=("output_layer",) if value_head else ())
 
 
 def _wrap_for_training(model, config, optim: OptimSettings):
