@@ -263,10 +263,12 @@ def run_checks(
 def main(argv=None, parser: Optional[argparse.ArgumentParser] = None, extra_checks: Sequence[ExtraCheck] = ()) -> int:
     parser = parser or build_parser()
     opts = parser.parse_args(argv)
+    from megatron_bridge import patches
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
     from megatron_bridge.parallel import ParallelDims, destroy_distributed, init_distributed
 
     try:  # user mistakes surface before any process group starts: one line naming the fix
+        patches.apply()
         hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
         args = read_model_args(hf_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))

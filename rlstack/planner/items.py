@@ -77,7 +77,7 @@ class Setting:
     max_model_len: int
     fused_attention: bool
     fused_output: bool  # model.fused_output_logprobs: no [tokens, vocab] logits
-    lean_norm: bool  # fp32 on CPU: megatron_bridge.cpu_compat's LeanRMSNorm (no normalised copy kept)
+    lean_norm: bool  # fp32 on CPU: megatron_bridge.patches.cpu_kernels' LeanRMSNorm (no normalised copy kept)
     has_critic: bool
     has_reference: bool
     needs_old_logprob: bool
