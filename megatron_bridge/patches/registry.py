@@ -169,7 +169,7 @@ PATCHES: tuple[Patch, ...] = (
         Applies.CPU,
         _lazy("cuda_shims", "_patch_cuda_type_checks"),
         (
-            "torch.Tensor:type",
+            "torch:Tensor.type",
             f"{MC}optimizer.distrib_optimizer:DistributedOptimizer.__init__",
             f"{MC}optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
             f"{MC}optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
@@ -195,8 +195,8 @@ PATCHES: tuple[Patch, ...] = (
         Applies.CPU,
         _lazy("cuda_shims", "_patch_tensor_cuda_calls"),
         (
-            "torch.Tensor:cuda",
-            "torch.Tensor:type",
+            "torch:Tensor.cuda",
+            "torch:Tensor.type",
             f"{MC}models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
         ),
         (
@@ -266,7 +266,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         (
             _site("fusions.fused_bias_swiglu", "bias_swiglu", "swiglu(y)"),
-            _site("fusions.fused_bias_swiglu", "SwiGLUFunction.backward", "bias_swiglu_back("),
+            _site("fusions.fused_bias_swiglu", "SwiGLUFunction.backward", "swiglu_back(grad_output, input)"),
         ),
     ),
     Patch(
