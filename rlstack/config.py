@@ -406,7 +406,7 @@ def _no_effect_note(key: str, section_raw: dict) -> str:
 def _verl_hint(key: str, value: Any) -> Optional[str]:
     """For a verl key (`data.max_response_length`, `actor_rollout_ref.actor.optim.lr`, ...), its
     rlstack name; `value` is what the key holds, so a verl section names its first verl leaf."""
-    from rlstack.from_verl import rlstack_name_for  # pure Python; imports config only lazily
+    from rlstack.verl_keys import rlstack_name_for
 
     for leaf in [key] + _leaf_keys(key, value):
         target = rlstack_name_for(leaf)

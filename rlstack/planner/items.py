@@ -119,7 +119,7 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
         + (f", /dp{dims.dp} (distributed optimizer)" if dist_opt else "")
     )
     items = [
-        Item(role, f"weights ({dtype}, {_count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
+        Item(role, f"weights ({dtype}, {count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
         Item(role, "gradients (fp32 DDP buffer)", _every(m.grad_bytes(params))),
         Item(role, f"optimizer ({opt_name})", _every(_optimizer_bytes(shape, dims, params, s, dist_opt))),
         Item(
@@ -193,7 +193,7 @@ def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     params = m.stage_params(shape, dims.tp, dims.pp, stage)
     mb, e = s.train_mb, s.param_bytes
     items = [
-        Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e)),
+        Item("reference", f"weights (frozen, {count(params)} params)", _every(params * e)),
         Item(
             "reference",
             f"activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
@@ -219,7 +219,7 @@ def reward_model_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     params = m.stage_params(rm_shape, dims.tp, dims.pp, stage, value_head=True)
     mb = m.Tokens(batch=cfg.reward_model.micro_batch_size, seq_len=s.train_mb.seq_len)
     return [
-        Item("reward", f"model weights (frozen, {_count(params)} params)", _every(params * s.param_bytes)),
+        Item("reward", f"model weights (frozen, {count(params)} params)", _every(params * s.param_bytes)),
         Item(
             "reward",
             f"model activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
@@ -393,11 +393,13 @@ def offloaded(cfg, items: list[Item], device: str) -> list[Item]:
     return out
 
 
-def _count(n: int) -> str:
-    from rlstack.planner.report import count
-
-    return count(n)
-
-
 def _every(nbytes: int) -> dict:
     return {p: int(nbytes) for p in PHASES}
+
+
+def count(n: int) -> str:
+    """135M, 7.62B, 345K: parameter counts people read."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)

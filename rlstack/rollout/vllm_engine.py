@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams
+from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams
 
 _CPU_KV_CACHE_CAP = 2 << 30  # bytes; a CPU box shares memory with training, keep the cache bounded
 _CPU_KV_CACHE_MIN = 32 << 20
