@@ -5,9 +5,10 @@ from setuptools import find_packages, setup
 CORE = [
     # The CPU path pins torch==2.13.0 in the Makefile; clusters bring their own CUDA torch.
     "torch>=2.4",
-    # rlstack patches and reaches into megatron-core internals (rlstack/megatron_compat.py,
-    # cpu_compat.py, the distributed optimizer's state layout): only 0.16.x is tested.
-    "megatron-core~=0.16.1",
+    # megatron_bridge patches and reaches into megatron-core internals (megatron_bridge/patches/,
+    # the distributed optimizer's state layout), written for 0.16.1 only: start-up refuses any other
+    # version (megatron_bridge/patches/version.py; parallel.allow_untested_megatron overrides it).
+    "megatron-core==0.16.1",
     "numpy",
     "pyyaml",
     "sentencepiece",

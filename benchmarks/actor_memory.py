@@ -44,6 +44,7 @@ def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float,
 
     set_mmap_threshold(mmap_kb)  # as the trainer does (parallel.host_mmap_threshold_kb)
 
+    from megatron_bridge import patches
     from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.parallel import init_distributed
     from rlstack.config import AlgorithmConfig
@@ -59,6 +60,7 @@ def _variant(impl: str, seqs: int, seq_len: int, micro: int, temperature: float,
 
         actor_mod.vocab_parallel_logprobs = old
     row = {"impl": impl, "runtime": _rss() / MIB}
+    patches.apply()
     groups = init_distributed(1, 1, backend="gloo")
     role = MegatronRole(
         resolve_model_path("default"),

@@ -56,8 +56,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch.distributed as dist
 
+    from megatron_bridge import patches
     from megatron_bridge.parallel import destroy_distributed, init_distributed, process_group_backend
 
+    patches.apply()
     groups = init_distributed(args.tp, args.pp)
     try:
         done = check(groups)

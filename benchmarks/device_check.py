@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 # misplaced sync gives differences of order 1.
 BF16_LOGPROB_ATOL = 5e-2
 # The training run's settings, for the planner too: PPO (actor, critic, reference) in bf16, and the
-# norms' selective recompute (megatron's output-discarding checkpoint, which needs cpu_compat (m)
+# norms' selective recompute (megatron's output-discarding checkpoint, which needs patches.missing_te (m)
 # without Transformer Engine, on a GPU as on CPU)
 TRAIN_SETTINGS = ("algorithm.name=ppo", "model.dtype=bfloat16", "model.recompute_modules=[layernorm]")
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "time/")

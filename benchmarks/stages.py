@@ -130,6 +130,7 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
 def run(args) -> dict:
     import torch
 
+    from megatron_bridge import patches
     from megatron_bridge.parallel import init_distributed
     from rlstack.config import load_config
     from rlstack.stages import build_data
@@ -139,6 +140,7 @@ def run(args) -> dict:
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)  # as the trainer
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
+    patches.apply(p.allow_untested_megatron, "parallel.allow_untested_megatron=true")
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     hf_dir, tokenizer, train_set, _, sampler = build_data(cfg, g)  # the trainer's own data setup
     prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step

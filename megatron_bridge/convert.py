@@ -134,9 +134,11 @@ def run_rank(mode: str, opts) -> dict:
     import torch
     import torch.distributed as dist
 
+    from megatron_bridge import patches
     from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    patches.apply()
     groups = init_distributed(opts.tp, opts.pp, ep=opts.ep)
     try:
         if mode == "import":

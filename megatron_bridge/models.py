@@ -22,7 +22,7 @@ log = logging.getLogger("megatron_bridge")
 _SPEC_LOGGED = False
 
 # False: no recompute; True: full; a tuple of megatron's selective recompute modules ("layernorm", ...),
-# and rlstack's ACT_RECOMPUTE (megatron_bridge/act_recompute.py)
+# and rlstack's ACT_RECOMPUTE (megatron_bridge/patches/act_recompute.py)
 Recompute = Union[bool, tuple]
 ACT_RECOMPUTE = "mlp_act"
 
@@ -372,7 +372,7 @@ def build_stage(
         value_head=value_head,
     )
     if recompute is not True and recompute and ACT_RECOMPUTE in recompute and "mlp" not in recompute:
-        from megatron_bridge import act_recompute
+        from megatron_bridge.patches import act_recompute
 
         act_recompute.enable(model)
     return model

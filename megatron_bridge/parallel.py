@@ -2,8 +2,9 @@
 
 `ParallelDims` validates early (before any process group exists) and `init_distributed` builds the
 groups once and returns them in a `ParallelGroups` that callers pass on; library code never fetches
-groups from `parallel_state` itself. NCCL (with gloo beside it) on CUDA, gloo on CPU (with `cpu_compat`
-patches). The config-level checks (`check_layout(cfg)`) live in rlstack.parallel.
+groups from `parallel_state` itself. NCCL (with gloo beside it) on CUDA, gloo on CPU. Both start
+functions require `megatron_bridge.patches.apply()` to have run (the caller's start-up does it,
+explicitly). The config-level checks (`check_layout(cfg)`) live in rlstack.parallel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_bridge.errors import InputError
+from megatron_bridge.patches.default_group import WorldSeenAs, restore_default_group, set_default_group
 
 
 @dataclass(frozen=True)
@@ -174,9 +176,9 @@ def init_distributed(
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_bridge import cpu_compat
+    from megatron_bridge import patches
 
-    cpu_compat.apply()
+    patches.require_applied()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.resolve(tp, pp, dp, world_size, ep=ep)
     backend = pick_backend(backend)
@@ -241,7 +243,7 @@ def destroy_distributed() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    _restore_default_group()  # split placement: the world's own group again (see _set_default_group)
+    restore_default_group()  # split placement: the world's own group again (patches.default_group)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -287,26 +289,6 @@ class SplitPlacement:
         return list(range(self.num_train, self.world_size))
 
 
-class _WorldSeenAs:
-    """Within the block, `torch.distributed.get_world_size()` (no group) answers `size`."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self.original = dist.get_world_size
-        dist.get_world_size = lambda group=None: self.size if group is None else self.original(group)
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        dist.get_world_size = self.original
-        return False
-
-
 def init_split_distributed(
     tp: int,
     pp: int,
@@ -326,9 +308,9 @@ def init_split_distributed(
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_bridge import cpu_compat
+    from megatron_bridge import patches
 
-    cpu_compat.apply()
+    patches.require_applied()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < rollout_ranks < world_size:
         raise InputError(
@@ -342,7 +324,7 @@ def init_split_distributed(
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     start_world(backend, timeout_minutes, world_size, int(os.environ.get("RANK", "0")))
-    with _WorldSeenAs(num_train):
+    with WorldSeenAs(num_train):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
         )
@@ -357,35 +339,8 @@ def init_split_distributed(
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     groups = _collect_groups(dims, local_rank, backend)
     groups.world = train  # every "all ranks" reduction of the trainer spans the training ranks only
-    _set_default_group(train)
+    set_default_group(train)
     return groups, placement
-
-
-# megatron-core calls collectives on the default group in places that take no group argument
-# (dist_checkpointing's metadata exchange and barriers, e.g. `torch.distributed.all_gather_object`
-# in dist_checkpointing/validation.py and strategies/torch.py with process_group=None). On a
-# training rank of a split placement the default group is therefore the training ranks' group:
-# their global ranks equal their ranks in it, so megatron sees exactly a world of N - K. Traffic
-# to the rollout ranks names `SplitPlacement.full` explicitly. No group is created after the swap.
-_ORIGINAL_DEFAULT = None
-
-
-def _set_default_group(group) -> None:
-    from torch.distributed import distributed_c10d as c10d
-
-    global _ORIGINAL_DEFAULT
-    if _ORIGINAL_DEFAULT is None:
-        _ORIGINAL_DEFAULT = c10d._world.default_pg
-    c10d._world.default_pg = group
-
-
-def _restore_default_group() -> None:
-    from torch.distributed import distributed_c10d as c10d
-
-    global _ORIGINAL_DEFAULT
-    if _ORIGINAL_DEFAULT is not None:
-        c10d._world.default_pg = _ORIGINAL_DEFAULT
-        _ORIGINAL_DEFAULT = None
 
 
 def rollout_device(backend: str, local_rank: int):

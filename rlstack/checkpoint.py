@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Protocol
 
-from rlstack import megatron_compat
+from megatron_bridge.patches import optimizer_state
 from rlstack.errors import UserError
 
 log = logging.getLogger("rlstack")
@@ -260,13 +260,13 @@ def load_role(role, path: str, with_optimizer: bool) -> None:
 
     with_optimizer = with_optimizer and role.optimizer is not None
     if with_optimizer:
-        megatron_compat.allocate_distributed_optimizer_state(role.optimizer)
+        optimizer_state.allocate_distributed_optimizer_state(role.optimizer)
     state = _role_sharded_state(role, with_optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
     role.module.load_state_dict(loaded["model"], strict=True)
     if with_optimizer:
         role.optimizer.load_state_dict(loaded["optimizer"])
-        megatron_compat.unshare_adam_steps(role.optimizer)
+        optimizer_state.unshare_adam_steps(role.optimizer)
     elif role.optimizer is not None:
         role.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
 

@@ -73,7 +73,11 @@ def export_checkpoint(
         roles = json.load(f)["roles"]
     if critic_out and "critic" not in roles:
         raise UserError(f"checkpoint {path} has no critic (a GRPO run?): drop --critic")
-    groups = groups or init_distributed(tp, pp, backend="auto")
+    if groups is None:
+        from megatron_bridge import patches
+
+        patches.apply()
+        groups = init_distributed(tp, pp, backend="auto")
     written = {"actor": _export_role(path, "actor", out, groups)}
     if critic_out:
         written["critic"] = _export_role(path, "critic", critic_out, groups, critic_format)

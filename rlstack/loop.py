@@ -14,12 +14,14 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     is told when the first checkpoint is saved; None on other ranks."""
     import torch
 
+    from megatron_bridge import patches
     from megatron_bridge.parallel import destroy_distributed, init_distributed
     from rlstack import host_memory
 
+    # the one start-up call that checks megatron-core's version and patches it (megatron_bridge/patches)
+    patches.apply(cfg.parallel.allow_untested_megatron, "parallel.allow_untested_megatron=true")
     _set_threads(cfg.parallel.threads_per_rank)
     host_memory.configure_allocator(cfg.parallel.host_mmap_threshold_kb)
-    _quiet_dependency_warnings()
     p = cfg.parallel
     if cfg.placement.rollout_ranks > 0:
         return _run_split(cfg, dry_run, profile, config_yaml, overwrite)
@@ -108,21 +110,6 @@ def _stalled_ranks_error(e: BaseException, health, cfg, rank: int):
         f"{who} did not answer for {_timeout(cfg):g} minutes (parallel.timeout_minutes): stalled "
         f"(stopped, hung or swapping) or dead; see {cfg.trainer.output_dir}/logs for their last lines "
         f"(this rank {rank}: {str(e).splitlines()[0][:160]}); complete checkpoints on disk are kept"
-    )
-
-
-def _quiet_dependency_warnings() -> None:
-    """Warnings megatron-core 0.16.1 raises from its own code on every run, that no config can change:
-    the distributed optimizer's `hasattr(param, "main_grad")` probe of a non-leaf (optimizer.py:66)
-    and torch 2.13's deprecation of the collectives megatron's distributed optimizer calls
-    (`reduce_scatter_tensor`, `all_gather_into_tensor`). docs/megatron_core.md."""
-    import warnings
-
-    warnings.filterwarnings(
-        "ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning
-    )
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
     )
 
 

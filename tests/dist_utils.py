@@ -59,6 +59,9 @@ def _entry(fn, rank, world_size, port, results, args, caller_env, env):
 
     torch.set_num_threads(1)
     try:
+        from megatron_bridge import patches
+
+        patches.apply()  # each rank's start-up, as rlstack.loop.run_training does it
         # plain pickle bytes: torch's queue pickler would pass tensors through shared memory that
         # vanishes when this process exits before the parent reads them
         results.put((rank, "ok", pickle.dumps(fn(*args))))

@@ -77,7 +77,7 @@ class Setting:
     max_model_len: int
     fused_attention: bool
     fused_output: bool  # model.fused_output_logprobs: no [tokens, vocab] logits
-    lean_norm: bool  # fp32 on CPU: megatron_bridge.cpu_compat's LeanRMSNorm (no normalised copy kept)
+    lean_norm: bool  # fp32 on CPU: megatron_bridge.patches.cpu_kernels' LeanRMSNorm (no normalised copy kept)
     has_critic: bool
     has_reference: bool
     needs_old_logprob: bool
@@ -133,7 +133,7 @@ def trainable_items(role: str, cfg, dims, shape, s: Setting, stage: int, value_h
         + (f", /dp{dims.dp} (distributed optimizer)" if dist_opt else "")
     )
     items = [
-        Item(role, f"weights ({dtype}, {_count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
+        Item(role, f"weights ({dtype}, {count(params)} params)", _every(m.weight_bytes(params, s.param_bytes))),
         Item(role, "gradients (fp32 DDP buffer)", _every(m.grad_bytes(params))),
         Item(role, f"optimizer ({opt_name})", _every(_optimizer_bytes(shape, dims, params, s, dist_opt))),
         Item(
@@ -159,15 +159,13 @@ def lora_trainable_items(role: str, lora, cfg, dims, shape, s: Setting, stage: i
     opt_name = ("fp32 main params + " if s.mixed_precision else "") + "Adam m, v of the trained params"
     opt_name += f", /dp{dims.dp} (distributed optimizer)" if dist_opt else ""
     items = [
-        Item(
-            role, f"weights ({dtype}, {_count(base)} frozen base params)", _every(m.weight_bytes(base, s.param_bytes))
-        ),
+        Item(role, f"weights ({dtype}, {count(base)} frozen base params)", _every(m.weight_bytes(base, s.param_bytes))),
         Item(
             role,
-            f"LoRA adapters ({dtype}, rank {lora.rank}, {_count(adapters)} params)",
+            f"LoRA adapters ({dtype}, rank {lora.rank}, {count(adapters)} params)",
             _every(adapters * s.param_bytes),
         ),
-        Item(role, f"gradients (fp32 DDP buffer, {_count(trained)} trained params)", _every(m.grad_bytes(trained))),
+        Item(role, f"gradients (fp32 DDP buffer, {count(trained)} trained params)", _every(m.grad_bytes(trained))),
         Item(role, f"optimizer ({opt_name})", _every(m.optimizer_bytes(trained, s.mixed_precision, dims.dp, dist_opt))),
         Item(
             role,
@@ -243,7 +241,7 @@ def reference_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     weights = (
         []
         if lora_of(cfg, "actor")
-        else [Item("reference", f"weights (frozen, {_count(params)} params)", _every(params * e))]
+        else [Item("reference", f"weights (frozen, {count(params)} params)", _every(params * e))]
     )
     items = weights + [
         Item(
@@ -271,7 +269,7 @@ def reward_model_items(cfg, dims, shape, s: Setting, stage: int) -> list[Item]:
     params = m.stage_params(rm_shape, dims.tp, dims.pp, stage, value_head=True)
     mb = m.Tokens(batch=cfg.reward_model.micro_batch_size, seq_len=s.train_mb.seq_len)
     return [
-        Item("reward", f"model weights (frozen, {_count(params)} params)", _every(params * s.param_bytes)),
+        Item("reward", f"model weights (frozen, {count(params)} params)", _every(params * s.param_bytes)),
         Item(
             "reward",
             f"model activations (forward only, micro-batch {mb.batch} x {mb.seq_len})",
@@ -445,11 +443,13 @@ def offloaded(cfg, items: list[Item], device: str) -> list[Item]:
     return out
 
 
-def _count(n: int) -> str:
-    from rlstack.planner.report import count
-
-    return count(n)
-
-
 def _every(nbytes: int) -> dict:
     return {p: int(nbytes) for p in PHASES}
+
+
+def count(n: int) -> str:
+    """135M, 7.62B, 345K: parameter counts people read."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)

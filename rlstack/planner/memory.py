@@ -200,7 +200,7 @@ def layer_activation_bytes(
     (megatron's DotProductAttention) also keeps the fp32 softmax [b, heads/t, s, s] (plus its cast
     to bf16/fp16); fused attention (rlstack's SDPA core attention in the local spec, TE's on a GPU
     with Transformer Engine) keeps only its output and a log-sum-exp per row. torch's RMSNorm also
-    keeps its normalised input (h per norm); `lean_norm` (megatron_bridge.cpu_compat's LeanRMSNorm,
+    keeps its normalised input (h per norm); `lean_norm` (megatron_bridge.patches.cpu_kernels' LeanRMSNorm,
     fp32 on CPU) keeps only the input and rstd.
 
     `selective` (model.recompute_modules, megatron's selective recompute) drops what each module

@@ -5,20 +5,13 @@ from __future__ import annotations
 import textwrap
 
 from rlstack.planner.build import GIB, PHASES, Plan
+from rlstack.planner.items import count
 
 WIDTH = 100  # columns: the table and every line of the plan
 
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
-
-
-def count(n: int) -> str:
-    """135M, 7.62B, 345K: parameter counts people read."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
 
 
 def format_plan(plan: Plan) -> str:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams, check_row_caps
+from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams, check_row_caps
 from rlstack.rollout.lean_decode import LeanDecoder
 from rlstack.rollout.sampling import sample_next
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import SamplingParams
+from rlstack.rollout.interface import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

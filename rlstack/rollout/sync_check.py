@@ -2,7 +2,7 @@
 
 Two checks, both reduced over every rank so all ranks stop together:
 - after the weight sync, every `rollout.verify_sync` steps: the engine's greedy log-probs on a small
-  probe batch (the first training prompts) against the actor's (`rlstack.rollout.verify_sync.verify_engine`),
+  probe batch (the first training prompts) against the actor's (`verify_engine`),
   and the sync moved bytes at all;
 - every step while the check is on: `actor/rollout_diff_max`, the largest |engine - actor| log-prob
   over the step's own rollout that the trainer computes anyway, held to the same tolerance.
@@ -57,8 +57,6 @@ def due(cfg: RolloutConfig, step: int) -> bool:
 def after_sync(cfg: RolloutConfig, step: int, stats: SyncStats, role, groups, engine, probe: list) -> None:
     """Probe `engine` against the actor `role` right after the sync of 0-based `step` when due;
     records `sync/verify_max_diff` in `stats`. `probe`: the probe prompts' token ids (`probe_prompts`)."""
-    from rlstack.rollout.verify_sync import verify_engine
-
     if not due(cfg, step):
         return
     if stats.bytes + stats.aliased_bytes <= 0:  # zero copy: the engine reads the actor's tensors instead
@@ -97,3 +95,44 @@ def filtered_logprobs_agree(cfg: RolloutConfig) -> bool:
 def probe_prompts(dataset, count: int = PROBE_PROMPTS) -> list[list[int]]:
     """The first `count` training prompts: the same on every rank and at every step."""
     return [list(dataset[i].input_ids) for i in range(min(count, len(dataset)))]
+
+
+def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: float, max_new_tokens: int = 16) -> float:
+    """Largest |engine log-prob - actor log-prob| over the engine's greedy responses to `prompts`,
+    reduced over every rank (all ranks call this together and get the same value).
+
+    Greedy decoding leaves the engine's sampling generator untouched, so verification does not change
+    later rollouts. The actor runs the model-parallel group's sequences as one batch, so its TP/PP
+    ranks see identical inputs whatever each rank's engine produced.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from megatron_bridge.forward import megatron_logits
+    from rlstack import collectives
+    from rlstack.rollout.interface import SamplingParams
+
+    gens = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=max_new_tokens))
+    every = collectives.all_gather_objects(
+        [g.prompt_ids + g.response_ids for g in gens], groups.mp, dist.get_world_size(groups.mp)
+    )
+    rows = [r for member in every for r in member]
+    offset = sum(len(m) for m in every[: dist.get_group_rank(groups.mp, groups.rank)])
+    input_ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)  # [B, S] right-padded
+    for b, r in enumerate(rows):
+        input_ids[b, : len(r)] = torch.tensor(r)
+    was_training = model.training
+    logprobs = torch.log_softmax(megatron_logits(model, input_ids, groups, args.vocab_size), dim=-1)  # [B, S, V]
+    model.train(was_training)
+    worst = torch.zeros((), dtype=torch.float64)
+    for k, g in enumerate(gens):
+        start = len(g.prompt_ids) - 1  # position t predicts token t + 1
+        steps = torch.arange(start, start + len(g.response_ids))
+        actor = logprobs[offset + k, steps, torch.tensor(g.response_ids)]  # [R]
+        worst = torch.maximum(worst, (actor.double() - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max())
+    value = collectives.max_floats([float(worst)], groups.world, groups.device)[0]
+    if not value <= tol:
+        log.warning(
+            "rollout engine and actor disagree after the weight sync: max |logprob diff| %.3e > %.1e", value, tol
+        )
+    return value

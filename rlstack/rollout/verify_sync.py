@@ -1,7 +1,8 @@
-"""Train/rollout agreement after a weight sync: engine log-probs vs the Megatron actor's.
-
-`verify_engine` is what the trainer calls after a sync (`rollout.verify_sync`); `engine_check` is the
+"""Train/rollout agreement after a weight sync, for the command line: `engine_check` is the
 `--engine hf|vllm --rollout-tp K` entry of `python -m rlstack.verify` (see `add_engine_args`).
+
+`verify_engine`, which the trainer calls after a sync (`rollout.verify_sync`), lives in
+`rlstack.rollout.sync_check` (the training path imports no command-line module); re-exported here.
 """
 
 from __future__ import annotations
@@ -12,47 +13,11 @@ import zlib
 
 import torch
 
+from rlstack.rollout.sync_check import verify_engine
+
 log = logging.getLogger("rlstack")
 
-
-def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: float, max_new_tokens: int = 16) -> float:
-    """Largest |engine log-prob - actor log-prob| over the engine's greedy responses to `prompts`,
-    reduced over every rank (all ranks call this together and get the same value).
-
-    Greedy decoding leaves the engine's sampling generator untouched, so verification does not change
-    later rollouts. The actor runs the model-parallel group's sequences as one batch, so its TP/PP
-    ranks see identical inputs whatever each rank's engine produced.
-    """
-    import torch.distributed as dist
-
-    from megatron_bridge.verify import megatron_logits
-    from rlstack import collectives
-    from rlstack.rollout.base import SamplingParams
-
-    gens = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=max_new_tokens))
-    every = collectives.all_gather_objects(
-        [g.prompt_ids + g.response_ids for g in gens], groups.mp, dist.get_world_size(groups.mp)
-    )
-    rows = [r for member in every for r in member]
-    offset = sum(len(m) for m in every[: dist.get_group_rank(groups.mp, groups.rank)])
-    input_ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)  # [B, S] right-padded
-    for b, r in enumerate(rows):
-        input_ids[b, : len(r)] = torch.tensor(r)
-    was_training = model.training
-    logprobs = torch.log_softmax(megatron_logits(model, input_ids, groups, args.vocab_size), dim=-1)  # [B, S, V]
-    model.train(was_training)
-    worst = torch.zeros((), dtype=torch.float64)
-    for k, g in enumerate(gens):
-        start = len(g.prompt_ids) - 1  # position t predicts token t + 1
-        steps = torch.arange(start, start + len(g.response_ids))
-        actor = logprobs[offset + k, steps, torch.tensor(g.response_ids)]  # [R]
-        worst = torch.maximum(worst, (actor.double() - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max())
-    value = collectives.max_floats([float(worst)], groups.world, groups.device)[0]
-    if not value <= tol:
-        log.warning(
-            "rollout engine and actor disagree after the weight sync: max |logprob diff| %.3e > %.1e", value, tol
-        )
-    return value
+__all__ = ["add_engine_args", "engine_check", "perturb_weights", "verify_engine"]
 
 
 def perturb_weights(model, args, groups, scale: float = 0.5, seed: int = 0) -> int:

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from rlstack.rollout.base import Generation, RolloutEngine, SamplingParams, check_row_caps
+from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams, check_row_caps
 
 _CPU_KV_CACHE_CAP = 2 << 30  # bytes; a CPU box shares memory with training, keep the cache bounded
 _CPU_KV_CACHE_MIN = 32 << 20
@@ -302,10 +302,9 @@ def _explain_stale_cpu_shm(e: RuntimeError) -> None:
 def _max_model_len(hf_dir: str, cfg, max_prompt_len: int) -> int:
     if cfg.max_model_len > 0:
         return cfg.max_model_len
-    import json
+    from megatron_bridge.hf_config import read_hf_config
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        limit = json.load(f).get("max_position_embeddings", 4096)
+    limit = read_hf_config(hf_dir).get("max_position_embeddings", 4096)
     if max_prompt_len > 0:
         return min(limit, max_prompt_len + cfg.max_new_tokens)
     return min(limit, 4096)
@@ -313,10 +312,9 @@ def _max_model_len(hf_dir: str, cfg, max_prompt_len: int) -> int:
 
 def _cpu_kv_cache_bytes(hf_dir: str, cfg, max_model_len: int) -> int:
     """Room for max_num_seqs full-length sequences (fp32 K and V), within a CPU-friendly cap."""
-    import json
+    from megatron_bridge.hf_config import read_hf_config
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_hf_config(hf_dir)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads

@@ -1,4 +1,4 @@
-"""cpu_compat (l): megatron's bucket reduce-scatter and all-gather on gloo, in place.
+"""megatron_bridge.patches.gloo_collectives (l): megatron's bucket reduce-scatter and all-gather on gloo, in place.
 
 megatron's distributed optimizer reduce-scatters each grad bucket into this rank's shard and
 all-gathers the param bucket from every rank's shard, both inside `_coalescing_manager`. On CPU the
@@ -27,10 +27,10 @@ def _bucket_collectives() -> dict:
     import torch.distributed as dist
     from torch.distributed import _coalescing_manager
 
-    from megatron_bridge import cpu_compat
+    from megatron_bridge import patches
 
     dist.init_process_group("gloo")
-    cpu_compat.apply()
+    patches.apply()
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     group = dist.new_group(list(range(WORLD)))  # a ProcessGroup, as megatron passes

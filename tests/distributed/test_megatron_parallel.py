@@ -162,7 +162,7 @@ def test_reference_step_changes_weights(tiny_llama, reference):
 )
 def test_recompute_gives_the_same_step(tiny_llama, reference, recompute):
     """model.gradient_checkpointing (megatron's full recompute) and model.recompute_modules
-    (selective: the norms' outputs discarded and rebuilt, cpu_compat (m); the MLP checkpointed)
+    (selective: the norms' outputs discarded and rebuilt, patches.missing_te (m); the MLP checkpointed)
     rebuild the same tensors in backward: the same loss and gradients, bit for bit, on one rank."""
     result = run_distributed(_train_one_step, 1, tiny_llama, 1, 1, False, "sgd", False, recompute)[0]
     assert result["loss"] == reference["loss"]

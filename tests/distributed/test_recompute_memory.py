@@ -3,7 +3,7 @@
 One rank builds the tiny Llama with each setting, runs one training micro-batch through megatron's
 schedule and, at the end of the forward (inside the loss function, before backward), adds up the
 bytes of every storage autograd has saved so far. A storage that an output-discarding checkpoint
-has released (selective "layernorm", cpu_compat (m)) counts 0 bytes then, as it holds none. The
+has released (selective "layernorm", patches.missing_te (m)) counts 0 bytes then, as it holds none. The
 differences from no recompute must equal the planner's (rlstack/planner/memory.py
 `layer_activation_bytes` x layers), plus the norms' per-row rstd, which the planner leaves out.
 Parameters (which autograd saves too) are resident anyway and not counted.

@@ -1,17 +1,20 @@
-"""Each megatron-core CPU patch (megatron_bridge/cpu_compat.py) does what its comment says."""
+"""Each megatron-core CPU patch (megatron_bridge/patches/: cuda_shims, missing_te, cpu_kernels) does what its
+comment says."""
 
 import pytest
 import torch
 
-from megatron_bridge import cpu_compat
+from megatron_bridge import patches
+from megatron_bridge.patches import cpu_kernels
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="patches apply only without CUDA")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def patched():
-    assert cpu_compat.apply()
-    assert cpu_compat.apply()  # idempotent
+    names = patches.apply()
+    assert "current_device" in names and "lean_rope" in names
+    assert patches.apply() is names  # once per process
 
 
 def test_current_device_and_synchronize():
@@ -62,7 +65,7 @@ def test_cuda_type_names_only_inside_wrapped_functions():
 
 
 def test_tensor_cuda_only_inside_cpu_scope():
-    from megatron_bridge.cpu_compat import _with_cuda_type_names
+    from megatron_bridge.patches.cuda_shims import _with_cuda_type_names
 
     t = torch.ones(2)
     assert _with_cuda_type_names(lambda: t.cuda())() is t
@@ -91,7 +94,7 @@ def test_swiglu_kernels_run_eagerly():
     """(i): no torch.compile (and no C++ compiler) for megatron's fused SwiGLU on CPU; same maths."""
     from megatron.core.fusions import fused_bias_swiglu as f
 
-    for name in cpu_compat._SWIGLU_KERNELS:
+    for name in cpu_kernels._SWIGLU_KERNELS:
         assert not hasattr(getattr(f, name), "_torchdynamo_orig_callable"), name
     x = torch.randn(5, 8, requires_grad=True)
     y = f.bias_swiglu_impl(x, None)
@@ -104,7 +107,7 @@ def test_swiglu_backward_equals_autograd_of_the_plain_formula():
     megatron's fused Function (bias and no bias) routes through them."""
     from megatron.core.fusions import fused_bias_swiglu as f
 
-    assert f.swiglu is cpu_compat.eager_swiglu and f.swiglu_back is cpu_compat.eager_swiglu_back
+    assert f.swiglu is cpu_kernels.eager_swiglu and f.swiglu_back is cpu_kernels.eager_swiglu_back
     gen = torch.Generator().manual_seed(0)
     y = (torch.randn(64, 2 * 48, generator=gen) * 3).requires_grad_(True)
     g = torch.randn(64, 48, generator=gen)
@@ -127,7 +130,7 @@ def test_lean_rmsnorm_is_megatrons_norm_and_matches_float64():
 
     config = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=4, normalization="RMSNorm")
     norm = WrappedTorchNorm(config=config, hidden_size=48, eps=1e-5)
-    assert type(norm) is cpu_compat.LeanRMSNorm and isinstance(norm, torch.nn.RMSNorm)
+    assert type(norm) is cpu_kernels.LeanRMSNorm and isinstance(norm, torch.nn.RMSNorm)
     assert list(norm.state_dict()) == ["weight"]
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -157,9 +157,11 @@ def test_config_keys():
 
 
 def _role_lrs(hf_dir):
+    from megatron_bridge import patches
     from megatron_bridge.parallel import init_distributed
     from rlstack.workers.megatron_role import MegatronRole
 
+    patches.apply()
     g = init_distributed(1, 1)
     role = MegatronRole(
         hf_dir,

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from megatron_bridge import cpu_compat
+from megatron_bridge import patches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,7 +25,7 @@ def _megatron_globals():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME as NAME
 
-    cpu_compat.apply()
+    patches.apply()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     added_rng = NAME not in tracker.get_states()
     if added_rng:
@@ -152,7 +152,7 @@ def test_layer_spec_uses_sdpa_for_dense_and_moe():
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
 def test_fused_swiglu_equals_eager_glu(dtype, atol):
     """transformer_config() turns on bias_activation_fusion: megatron's MLP then calls bias_swiglu_impl
-    (bias None: add_bias_linear=False); its kernels run eagerly on CPU (cpu_compat (i)), compiled on GPU."""
+    (bias None: add_bias_linear=False); its kernels run eagerly on CPU (patches.cpu_kernels (i)), compiled on GPU."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
     from megatron_bridge.hf_config import ModelArgs

@@ -1,7 +1,7 @@
 """Zero-copy vs copying hf engine next to a Megatron actor: sync bytes, engine bytes, RSS, decode speed.
 
-    python -m rlstack.rollout.bench_zero_copy --hf default --zero-copy 1 --batch 32 --new-tokens 64
-    python -m rlstack.rollout.bench_zero_copy --hf default --zero-copy 0 --batch 32 --new-tokens 64
+    python -m benchmarks.zero_copy --hf default --zero-copy 1 --batch 32 --new-tokens 64
+    python -m benchmarks.zero_copy --hf default --zero-copy 0 --batch 32 --new-tokens 64
 
 One process (training TP1 x PP1, colocated, float32): builds the actor, the hf engine and the weight
 sync, syncs, then generates (temperature 1, eos ignored). Prints one `key=value` line: sync bytes,
@@ -31,6 +31,7 @@ def _peak_rss_gib() -> float:
 def run(opts) -> dict:
     import torch
 
+    from megatron_bridge import patches
     from megatron_bridge.hf import build_megatron_from_hf, resolve_model_path
     from megatron_bridge.parallel import init_distributed
     from megatron_bridge.reshard import WeightSync
@@ -40,6 +41,7 @@ def run(opts) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     hf_dir = resolve_model_path(opts.hf)
+    patches.apply()
     groups = init_distributed(1, 1)
     model, args = build_megatron_from_hf(hf_dir, groups)
     actor_rss = _rss_gib()
@@ -74,7 +76,7 @@ def run(opts) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlstack.rollout.bench_zero_copy")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.zero_copy")
     p.add_argument("--hf", default="default", help="HF directory, `default` (SmolLM2) or `tiny`")
     p.add_argument("--zero-copy", type=int, choices=(0, 1), default=1)
     p.add_argument("--batch", type=int, default=32)

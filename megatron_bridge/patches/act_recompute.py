@@ -10,7 +10,9 @@ and layer less at the peak.
 
 Reached from transformer/mlp.py `MLP.forward` through its module-level `bias_swiglu_impl` (the
 path of gated SiLU with `bias_activation_fusion`, which megatron_bridge.models always sets): the
-name is wrapped once, and acts only inside the forward of an MLP marked here, with grad enabled.
+name is wrapped once at start-up (`wrap_swiglu`, registered in `megatron_bridge.patches.registry`,
+kind "recompute"), passes every call through unchanged, and acts only inside the forward of an MLP
+that `enable` marked, with grad enabled.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ _CURRENT = threading.local()  # the marked MLP whose forward is running (None ou
 
 def enable(model: torch.nn.Module) -> int:
     """Mark every dense MLP of `model` for SwiGLU-product recompute; returns how many were marked."""
+    from megatron.core.transformer import mlp as mlp_module
     from megatron.core.transformer.mlp import MLP
 
-    _wrap_swiglu()
+    if not getattr(mlp_module.bias_swiglu_impl, "_rlstack_act_recompute", False):
+        raise RuntimeError("recompute 'mlp_act' needs megatron_bridge.patches.apply() called once at start-up")
     marked = 0
     for module in model.modules():
         if type(module) is not MLP or getattr(module, "_rlstack_act_recompute", False):
@@ -65,7 +69,8 @@ def _discard_after(mlp):
     return hook
 
 
-def _wrap_swiglu() -> None:
+def wrap_swiglu() -> None:
+    """Wrap megatron's `bias_swiglu_impl` name in transformer/mlp.py (a pass-through unless an MLP is marked)."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer import mlp as mlp_module
 

@@ -1,7 +1,7 @@
 """Rollout and weight-sync measurements (the figures in docs/rollout.md).
 
-    python -m rlstack.rollout.bench generate --hf default --engine hf --batch 32 --new-tokens 64
-    torchrun --nproc_per_node=2 -m rlstack.rollout.bench sync --hf default --tp 1 --pp 2 --engine hf
+    python -m benchmarks.rollout generate --hf default --engine hf --batch 32 --new-tokens 64
+    torchrun --nproc_per_node=2 -m benchmarks.rollout sync --hf default --tp 1 --pp 2 --engine hf
 
 `generate` prints `tokens_per_s=<v>` (sampled at temperature 1, eos ignored so every row makes
 `--new-tokens` tokens); `sync` prints, per rank, the median sync seconds, bytes written into the
@@ -21,7 +21,7 @@ import torch
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rlstack.rollout.bench")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rollout")
     p.add_argument("what", choices=("generate", "sync"))
     p.add_argument("--hf", default="default", help="HF directory, `default` (SmolLM2) or `tiny`")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
@@ -125,11 +125,13 @@ def bench_sync(opts, hf_dir: str, groups) -> None:
 
 def main(argv=None) -> int:
     opts = _parser().parse_args(argv)
+    from megatron_bridge import patches
     from megatron_bridge.hf import resolve_model_path
     from megatron_bridge.parallel import destroy_distributed, init_distributed
 
     _set_threads(opts)
     hf_dir = resolve_model_path(opts.hf)
+    patches.apply()
     groups = init_distributed(opts.tp, opts.pp)
     try:
         (bench_generate if opts.what == "generate" else bench_sync)(opts, hf_dir, groups)

@@ -3,7 +3,9 @@
 Without Transformer Engine or Apex, megatron's DistributedOptimizer wraps `torch.optim.AdamW`,
 whose per-parameter `step` state its checkpoint code does not expect. Each function cites its call
 site; all are exercised by tests/distributed/test_checkpoint.py (resume into a fresh optimizer,
-then a bit-identical next step). Unlike `cpu_compat`, these apply on GPUs without TE/Apex too.
+then a bit-identical next step). They apply on GPUs without TE/Apex too. `patch_torch_adam_step_on_load`
+is registered in `megatron_bridge.patches.registry` (kind "optimizer state") and applied at start-up;
+the other two are steps a checkpointer calls around a load (rlstack/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ def allocate_distributed_optimizer_state(optimizer) -> None:
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
             opt._init_optimizer_states_with_dummy_values()
-    patch_torch_adam_step_on_load()
 
 
 def unshare_adam_steps(optimizer) -> None:
