@@ -401,7 +401,7 @@ def _lora_megatron(prefix: str, target: str, given: dict, t: Translation, src) -
 
 def _lora_targets(value, target: str, key: str, t: Translation, src) -> None:
     """`all-linear`, megatron names, or HF names (q/k/v -> the fused linear_qkv, gate/up -> linear_fc1)."""
-    names = [value] if isinstance(value, str) else list(value)
+    names = list(value) if isinstance(value, (list, tuple)) else [str(value)]
     if "all-linear" in names:
         t.set(target + ".target_modules", "all-linear", src(key))
         return

@@ -138,6 +138,12 @@ SHARED_TARGETS: dict[str, frozenset[str]] = {
     ),
     "data.reward_fn_batched": frozenset({"reward.reward_manager.name", "reward_model.reward_manager"}),
     "algorithm.name": frozenset({"algorithm.adv_estimator", "critic.model.path"}),  # ppo when a critic is named
+    # LoRA: verl's FSDP spelling (model.lora_rank) and its megatron one (model.lora.rank)
+    **{
+        f"{target}.{leaf}": frozenset({f"{prefix}{fsdp}", f"{prefix}lora.{leaf}"})
+        for prefix, target in (("actor_rollout_ref.model.", "model.lora"), ("critic.model.", "critic.lora"))
+        for leaf, fsdp in (("rank", "lora_rank"),)  # alpha and targets count only beside a rank
+    },
     **{
         target: frozenset({key, "reward." + key})
         for key, target in DIRECT.items()

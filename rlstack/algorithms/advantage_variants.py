@@ -18,9 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rlstack.algorithms import names
-from rlstack.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
+from rlstack.algorithms.advantage_core import (
     _broadcast,
     _check_same_shape,
     _float_scores,
@@ -233,7 +231,3 @@ def _otb_estimator(*, token_rewards, mask, group_ids, old_logprob=None, sum_pi_s
         sum_pi_squared=sum_pi_squared,
     )
     return optimal_token_baseline(token_rewards, mask, group_ids, old_logprob, sum_pi_squared, is_weights)
-
-
-# Either module may be imported first; this one always finishes last (advantages imports it at its end).
-names.check_registered("advantage estimator", ADVANTAGE_ESTIMATORS, names.ADVANTAGE_ESTIMATORS)

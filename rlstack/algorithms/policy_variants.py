@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from rlstack.algorithms import names
-from rlstack.algorithms.losses import POLICY_LOSSES, _on_mask, agg_loss, register_policy_loss
 from rlstack.algorithms.masked import apply_mask, as_float_mask, masked_mean
+from rlstack.algorithms.policy_core import POLICY_LOSSES, _on_mask, agg_loss, register_policy_loss
 
 
 def _ratio(logprob: Tensor, old_logprob: Tensor) -> tuple[Tensor, Tensor]:
@@ -394,6 +394,4 @@ def _check_params() -> None:
         )
 
 
-# Either module may be imported first; this one always finishes last (losses imports it at its middle).
-_check_params()
-names.check_registered("policy loss", POLICY_LOSSES, names.POLICY_LOSSES)
+_check_params()  # the whole table is checked by losses.py, which imports this module last

@@ -245,12 +245,14 @@ def test_variant_modules_can_be_imported_first():
 
     import rlstack.algorithms as package
 
-    names = ("advantages", "advantage_variants", "losses", "policy_variants")
+    names = ("advantage_core", "advantages", "advantage_variants", "policy_core", "losses", "policy_variants")
     saved = {n: sys.modules.pop(f"rlstack.algorithms.{n}") for n in names}
     try:
-        fresh = importlib.import_module("rlstack.algorithms.advantage_variants")
+        importlib.import_module("rlstack.algorithms.advantage_variants")  # its own six, no error
+        fresh = importlib.import_module("rlstack.algorithms.advantages")  # then the table is checked whole
         assert len(fresh.ADVANTAGE_ESTIMATORS) == 12
-        fresh = importlib.import_module("rlstack.algorithms.policy_variants")
+        importlib.import_module("rlstack.algorithms.policy_variants")
+        fresh = importlib.import_module("rlstack.algorithms.losses")
         assert len(fresh.POLICY_LOSSES) == 11
     finally:
         for n, module in saved.items():
