@@ -41,6 +41,8 @@ setup(
     version="0.1.0",
     description="Megatron-Core PPO/GRPO for LLMs, with in-place weight sync into vLLM",
     packages=find_packages(include=["rlstack", "rlstack.*", "megatron_bridge", "megatron_bridge.*"]),
+    # verl 0.9.1's key list (from_verl) and the model configs of the shipped GPU configs (--model-config NAME)
+    package_data={"rlstack": ["verl_keys.txt", "planner/model_configs/*.json", "planner/model_configs/README.md"]},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

@@ -80,6 +80,10 @@ class ParallelConfig:
     # step 37.5-38.8 s vs glibc's 43.7-48.4 s, peak 3.57 vs 3.21 GiB a rank. Install: apt-get install
     # libtcmalloc-minimal4 (make install tries). docs/memory.md.
     host_allocator: str = "auto"
+    # Memory of one GPU of the machine this config is written for, in GiB (80 for an A100 80GB): what
+    # `--validate-only` and `python -m rlstack.plan` plan for when not given --gpu-memory-gib, so a GPU
+    # config checked on a laptop or a CPU box is planned for its GPUs. 0: the machine it is checked on.
+    gpu_memory_gib: float = 0.0
 
 
 @dataclass
@@ -682,6 +686,7 @@ _RANGES = (
     ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("parallel.timeout_minutes", lambda v: v >= 0, ">= 0 (0: auto)"),
+    ("parallel.gpu_memory_gib", lambda v: v >= 0, ">= 0 (0: the machine it is checked on)"),
     ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward_model.clip", lambda v: v >= 0, ">= 0 (0: no clipping)"),
     ("reward_model.micro_batch_size", lambda v: v >= 1, "at least 1"),
