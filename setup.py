@@ -37,7 +37,9 @@ EXTRAS = {
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("vllm", "gpu") for dep in deps})
 
 setup(
-    name="rlstack",
+    # The import packages are rlstack and megatron_bridge; the distribution name is rlstack-megatron
+    # because PyPI's `rlstack` is an unrelated project (pip install rlstack installs that).
+    name="rlstack-megatron",
     version="0.1.0",
     description="Megatron-Core PPO/GRPO for LLMs, with in-place weight sync into vLLM",
     packages=find_packages(include=["rlstack", "rlstack.*", "megatron_bridge", "megatron_bridge.*"]),
