@@ -17,11 +17,13 @@ def validate_translation(t, directory) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _validate_from_verl_translations(request, monkeypatch, tmp_path):
+def _validate_from_verl_translations(request):
     if "from_verl" not in request.module.__name__:
         yield
         return
     from rlstack import from_verl
+
+    monkeypatch, tmp_path = request.getfixturevalue("monkeypatch"), request.getfixturevalue("tmp_path")
 
     made = []
     translate = from_verl.translate
