@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -258,9 +259,18 @@ def parse_command_line(tokens: list[str]) -> dict[str, Any]:
     return out
 
 
+# Plain values YAML 1.1 reads as numbers, booleans or dates where Hydra (verl's parser) reads text:
+# a leading zero (010), base 60 (1:30), a date, yes/no/on/off.
+_HYDRA_TEXT = re.compile(
+    r"[-+]?0[0-9_]+|\d{4}-\d\d?-\d\d?([Tt ].*)?|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?|(?i:yes|no|on|off|y|n)"
+)
+
+
 def _yaml_value(text: str) -> Any:
     if text == "":
         return ""
+    if _HYDRA_TEXT.fullmatch(text):
+        return text  # trainer.experiment_name=010 stays "010", as verl reads it
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:

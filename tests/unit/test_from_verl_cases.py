@@ -140,3 +140,14 @@ def test_every_translation_is_validated(request):
     bad.set("algorithm.max_tokens_per_micro_batch", 64, "a budget below one sequence")
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         validate_translation(bad, request.getfixturevalue("tmp_path"))
+
+
+@pytest.mark.parametrize("text", ["010", "2024-12-06", "yes", "off", "1:30"])
+def test_values_are_read_as_hydra_reads_them(text, tmp_path):
+    from rlstack.config import load_config
+
+    parsed = from_verl.parse_command_line([f"trainer.experiment_name={text}", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert parsed == {"trainer.experiment_name": text, "actor_rollout_ref.actor.optim.lr": 1e-6}
+    path = tmp_path / "run.yaml"
+    path.write_text(from_verl.to_yaml_text(from_verl.translate({**GRPO, **parsed})))
+    assert load_config(str(path)).logging.run_name == text
