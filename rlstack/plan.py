@@ -78,7 +78,9 @@ def _plan(args):
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise UserError(str(e))
-    memory = args.gpu_memory_gib or cfg.parallel.gpu_memory_gib
+    memory = args.gpu_memory_gib or (cfg.parallel.gpu_memory_gib if args.device == "gpu" else 0)
+    if not memory and args.device == "cpu":
+        raise UserError("--device cpu: pass --gpu-memory-gib G, the host memory of one CPU rank in GiB")
     if not memory:
         raise UserError(
             f"{args.config} names no target GPU (parallel.gpu_memory_gib): pass --gpu-memory-gib G, e.g. 80"

@@ -61,6 +61,12 @@ def test_plan_uses_the_configs_gpu_and_a_shipped_name():
     assert plan.main(["--config", path, "--world-size", "8", "--model-config", "qwen2-7b-instruct", "--json"]) == 0
     tiny = os.path.join(ROOT, "yaml_configs", "tiny_cpu.yaml")
     assert plan.main(["--config", tiny, "--world-size", "2"]) == 2  # no target GPU named anywhere
+    assert (
+        plan.main(
+            ["--config", path, "--world-size", "8", "--model-config", "Qwen/Qwen2-7B-Instruct", "--device", "cpu"]
+        )
+        == 2
+    )  # a CPU rank's memory is not the config's GPU
 
 
 def test_model_config_names_and_files(tmp_path):
