@@ -302,6 +302,7 @@ def translate(verl: dict[str, Any]) -> Translation:
     handled = _direct(merged, given, t, src)
     handled |= _translate_special(merged, given, t, src)
     handled |= _layout_offload_and_cache(merged, given, t, src)
+    _default_files(given, t)
     for key, value in given.items():
         if key in handled or key in SPECIAL:
             continue
@@ -831,7 +832,6 @@ def _layout_offload_and_cache(merged: dict, given: dict, t: Translation, src: Ca
                     )
                 )
     handled |= _free_cache(given, t, src)
-    _default_files(given, t)
     return handled
 
 
