@@ -4,6 +4,7 @@ directory or data file that is not here is a warning. Every shipped GPU config, 
 
 import glob
 import os
+import re
 
 import pytest
 import yaml
@@ -86,3 +87,21 @@ def test_model_config_is_for_validate_only():
     with pytest.raises(SystemExit) as stop:
         train.main(["--config", path, "--model-config", "Qwen/Qwen3-8B"])
     assert stop.value.code == 2
+
+
+TABLE_ROW = re.compile(r"^\| `(qwen\S+\.yaml)`[^|]*\| (\d+) \| \**([\d.]+) GiB")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/planner.md"])
+def test_the_docs_gpu_config_tables_are_the_planners(doc):
+    """README's and docs/planner.md's peak per GPU of each shipped GPU config: the planner's figure."""
+    from rlstack.config import load_config
+    from rlstack.planner import plan_for_config
+
+    with open(os.path.join(ROOT, doc)) as f:
+        rows = [m.groups() for m in map(TABLE_ROW.match, f) if m]
+    assert sorted(name for name, _, _ in rows) == sorted(MODELS)  # every shipped GPU config, once
+    for name, world, quoted in rows:
+        cfg = load_config(os.path.join(ROOT, "yaml_configs", name))
+        plan = plan_for_config(cfg, int(world), cfg.parallel.gpu_memory_gib, model_config_file=MODELS[name])
+        assert abs(plan.peak_bytes / 1024**3 - float(quoted)) < 0.05, (doc, name, plan.peak_bytes / 1024**3, quoted)
