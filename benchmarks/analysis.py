@@ -44,7 +44,7 @@ TRAINER_KEYS = (
     *PHASE_MEMORY_KEYS,
     "reward/mean",
 )
-# Targets of issue 15 (by `make bench`, same work, one run): reported next to the measurement, never asserted.
+# Targets (by `make bench`, same work, one run): reported next to the measurement, never asserted.
 TARGETS = {
     "peak_memory_vs_trl": ("<=", 0.7, "peak memory, all ranks / TRL's (same work)"),
     "rank_memory_vs_state": (

@@ -291,7 +291,7 @@ def _target_cell(t: dict) -> tuple[str, str]:
 def targets_table(results: dict, f: dict) -> list[str]:
     """Issue 15's targets, measured in each setting (the same work for rlstack and TRL in each)."""
     settings = _settings(results, f)
-    head = ["target (issue 15)", "bound"]
+    head = ["target", "bound"]
     for name, _, _ in settings:
         head += [f"measured{f' ({name})' if name else ''}", "met"]
     lines = [_row(*head), _row(*["---"] * len(head))]

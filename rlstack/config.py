@@ -1,15 +1,19 @@
 """One typed config tree for an experiment.
 
 YAML files only serialise this tree; `section.key=value` overrides are parsed as YAML and
-type-checked against it. Every error is a one-line `ConfigError` (a `ValueError`) naming the fix.
+type-checked against it: a `str` key keeps an unquoted value's text as written (`010`, `2024-12-06`,
+`yes`), and YAML 1.1 readings that change a number's meaning (octal `010`, base-60 `1:30`, dates)
+are refused for other keys. Every error is a one-line `ConfigError` (a `ValueError`) naming the fix.
 Nothing here imports torch, so configs validate on any machine before any process group exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -103,6 +107,11 @@ class ParallelConfig:
     # written for (megatron_bridge/patches/version.py, now 0.16.1): a warning instead of the error.
     # Untested: a moved call site fails late (docs/megatron_core.md "Version gate").
     allow_untested_megatron: bool = False
+
+    # Memory of one GPU of the machine this config is written for, in GiB (80 for an A100 80GB): what
+    # `--validate-only` and `python -m rlstack.plan` plan for when not given --gpu-memory-gib, so a GPU
+    # config checked on a laptop or a CPU box is planned for its GPUs. 0: the machine it is checked on.
+    gpu_memory_gib: float = 0.0
 
 
 @dataclass
@@ -430,7 +439,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} is a directory: pass a YAML file to --config (e.g. yaml_configs/X.yaml)")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.load(f, Loader=_UniqueKeyLoader)
+            raw = yaml.load(f, Loader=_ConfigLoader)
     except DuplicateKeyError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except FileNotFoundError:
@@ -469,15 +478,79 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+@dataclass(frozen=True)
+class _Plain:
+    """An unquoted YAML scalar that YAML 1.1 reads as a number, boolean or date: its text as written
+    and that reading. The key's type picks one (`_scalar`), so `logging.run_name=010` stays "010"
+    while `trainer.total_steps=010` is refused rather than read as octal 8."""
+
+    text: str
+    value: Any
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _ConfigLoader(_UniqueKeyLoader):
+    """The loader of config files and overrides: typed plain scalars come back as `_Plain`."""
+
+
+def _keep_text(tag: str):
+    construct = yaml.SafeLoader.yaml_constructors[tag]
+
+    def constructor(loader, node):
+        value = construct(loader, node)
+        return _Plain(node.value, value) if node.style is None else value
+
+    return constructor
+
+
+for _tag in ("bool", "int", "float", "timestamp"):
+    _ConfigLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _keep_text(f"tag:yaml.org,2002:{_tag}"))
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item or item.startswith("="):
         raise ConfigError(f"override '{item}' is not key=value: write it as section.key=value")
     key, text = item.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = yaml.load(text, Loader=_ConfigLoader) if text != "" else ""
     except yaml.YAMLError:
         value = text  # a plain string that YAML cannot read, e.g. 'a: b'
     return key.strip(), value
+
+
+def _unwrap(value: Any) -> Any:
+    """YAML's own reading of every scalar (free-form mappings such as data.reward_kwargs have no types)."""
+    if isinstance(value, _Plain):
+        return value.value
+    if isinstance(value, dict):
+        return {_unwrap(k): _unwrap(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unwrap(v) for v in value]
+    return value
+
+
+# YAML 1.1 readings a user rarely means: a leading zero is octal (010 -> 8), colons are base 60
+# (1:30 -> 90); a date is no number at all.
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
+def _typed_value(tp, plain: _Plain, key: str) -> Any:
+    """The value of a plain scalar for a non-str key, refusing readings that change its meaning."""
+    text, value = plain.text, plain.value
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        raise ConfigError(f"'{key}' expects {tp.__name__}, got {text!r}, which YAML reads as a date")
+    if tp in (int, float) and _OCTAL.fullmatch(text):
+        plain_number = text.replace("_", "").lstrip("+-").lstrip("0") or "0"
+        raise ConfigError(
+            f"'{key}' is {text}: YAML reads a leading zero as octal ({value}); write {plain_number} "
+            f"(or {value} if octal was meant)"
+        )
+    if tp in (int, float) and _BASE_60.fullmatch(text):
+        raise ConfigError(f"'{key}' is {text}: YAML reads colons as base 60 ({value}); write the number itself")
+    return value
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
@@ -584,11 +657,12 @@ def _coerce(tp, value: Any, key: str):
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
     if origin is dict or tp is dict:  # free-form mappings (reward_kwargs): string keys, YAML values as given
+        value = _unwrap(value)
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"'{key}' expects a mapping like {{name: value}}, got {value!r}")
         return dict(value)
     if origin is list:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, (str, int, float, _Plain)) and not isinstance(value, bool):
             value = [value]  # verl accepts a single path where a list is expected
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' expects a list like [a,b], got {value!r}")
@@ -601,6 +675,12 @@ def _coerce(tp, value: Any, key: str):
 
 
 def _scalar(tp, value: Any, key: str):
+    shown = repr(value)
+    if isinstance(value, _Plain):
+        if tp is str:
+            return value.text  # as written: 010, 2024-12-06, yes, 1.0e-3
+        shown = f"{value.text!r}, which YAML reads as {value.value!r}"
+        value = _typed_value(tp, value, key)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -618,7 +698,7 @@ def _scalar(tp, value: Any, key: str):
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-    raise ConfigError(f"'{key}' expects {tp.__name__}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"'{key}' expects {tp.__name__}, got {shown} ({type(value).__name__})")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -746,6 +826,7 @@ _RANGES = (
     ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("parallel.timeout_minutes", lambda v: v >= 0, ">= 0 (0: auto)"),
+    ("parallel.gpu_memory_gib", lambda v: v >= 0, ">= 0 (0: the machine it is checked on)"),
     ("logging.memory_warn_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward_model.clip", lambda v: v >= 0, ">= 0 (0: no clipping)"),
     ("reward_model.micro_batch_size", lambda v: v >= 1, "at least 1"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,9 +99,18 @@ def parse_command_line(tokens: list[str]) -> dict[str, Any]:
     return out
 
 
+# Plain values YAML 1.1 reads as numbers, booleans or dates where Hydra (verl's parser) reads text:
+# a leading zero (010), base 60 (1:30), a date, yes/no/on/off.
+_HYDRA_TEXT = re.compile(
+    r"[-+]?0[0-9_]+|\d{4}-\d\d?-\d\d?([Tt ].*)?|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?|(?i:yes|no|on|off|y|n)"
+)
+
+
 def _yaml_value(text: str) -> Any:
     if text == "":
         return ""
+    if _HYDRA_TEXT.fullmatch(text):
+        return text  # trainer.experiment_name=010 stays "010", as verl reads it
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -129,21 +139,41 @@ def translate(verl: dict[str, Any]) -> Translation:
 
     t.nnodes = int(merged.get("trainer.nnodes") or 1)
     t.world_size = int(merged.get("trainer.n_gpus_per_node") or 1) * t.nnodes
-    handled = set()
-    for key, value in merged.items():
-        if key in DIRECT:
-            t.set(DIRECT[key], value, src(key))
-            handled.add(key)
+    handled = _direct(merged, given, t, src)
     handled |= _translate_special(merged, given, t, src)
+    handled |= _layout_offload_and_cache(merged, given, t, src)
+    _default_files(given, t)
     for key, value in given.items():
         if key in handled or key in SPECIAL:
             continue
         reason = _ignored_reason(key)
         if reason:
             t.ignored.append((f"{key}={_flow(value)}", reason))
+        elif not is_verl_key(key):
+            t.unsupported.append((f"{key}={_flow(value)}", not_verl_message(key)))
         else:
             t.unsupported.append((f"{key}={_flow(value)}", "no rlstack equivalent"))
     return t
+
+
+def _direct(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """Keys with the same meaning and unit; where two verl keys feed one rlstack key with different
+    values (data.max_response_length and rollout.response_length, ...), the loser is named with the winner."""
+    winner: dict[str, str] = {}
+    for key, value in merged.items():
+        if key not in DIRECT:
+            continue
+        target = DIRECT[key]
+        earlier = winner.get(target)
+        if earlier in given and key in given and given[earlier] != value:
+            t.ignored.append(
+                (f"{earlier}={_flow(given[earlier])}", f"{key}={_flow(value)} sets {target} too, and wins")
+            )
+        if earlier in given and key not in given:
+            continue  # a verl default never overrides a key the user gave
+        t.set(target, value, src(key))
+        winner[target] = key
+    return {key for key in merged if key in DIRECT}
 
 
 def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
@@ -209,6 +239,13 @@ def _algorithm(merged: dict, given: dict, t: Translation, src: Callable[[str], s
         for side in ("low", "high"):
             if ACTOR + f"clip_ratio_{side}" not in given:
                 t.set(f"algorithm.clip_ratio_{side}", given[ACTOR + "clip_ratio"], src(ACTOR + "clip_ratio"))
+        if all(ACTOR + f"clip_ratio_{side}" in given for side in ("low", "high")):
+            t.ignored.append(
+                (
+                    f"{ACTOR}clip_ratio={_flow(given[ACTOR + 'clip_ratio'])}",
+                    "clip_ratio_low and clip_ratio_high are both given, and win (as in verl)",
+                )
+            )
     handled.add(ACTOR + "clip_ratio")
     _shared(merged, given, t, src, ACTOR + "ppo_epochs", "critic.ppo_epochs", "algorithm.ppo_epochs")
     _shared(merged, given, t, src, ACTOR + "grad_clip", "critic.grad_clip", "algorithm.clip_grad")
@@ -567,7 +604,17 @@ VERL_MAX_TOKEN_LEN = 16384  # verl 0.9.1's default ppo_max_token_len_per_gpu
 def _dynamic_batch(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
     """actor.use_dynamic_bsz + ppo_max_token_len_per_gpu -> algorithm.max_tokens_per_micro_batch."""
     flag = ACTOR + "use_dynamic_bsz"
-    if str(given.get(flag, "false")).lower() == "true":
+    pp = int(merged.get(ACTOR + "megatron.pipeline_model_parallel_size") or 1)
+    if str(given.get(flag, "false")).lower() == "true" and pp > 1:
+        t.ignored.append(
+            (
+                f"{flag}={_flow(given[flag])}",
+                f"rlstack's token-budget micro-batches need parallel.pp=1 (pipeline stages exchange one "
+                f"micro-batch shape; here pp={pp}): algorithm.micro_batch_size rows instead, same results",
+            )
+        )
+        chosen = 0
+    elif str(given.get(flag, "false")).lower() == "true":
         key = ACTOR + "ppo_max_token_len_per_gpu"
         budget = int(given.get(key, VERL_MAX_TOKEN_LEN))
         where = src(key) if key in given else f"verl's default {key}={VERL_MAX_TOKEN_LEN}"
@@ -608,6 +655,13 @@ def _batch_sizes(merged, given, t, src, n: int) -> None:
     micro = given.get(micro_key)
     if micro is not None:
         t.set("algorithm.micro_batch_size", int(micro), src(micro_key) + " (per rank, as in rlstack)")
+        if given.get(ACTOR + "ppo_micro_batch_size") is not None:
+            t.ignored.append(
+                (
+                    f"{ACTOR}ppo_micro_batch_size={_flow(given[ACTOR + 'ppo_micro_batch_size'])}",
+                    f"{micro_key}={micro} wins (verl reads the per-GPU size when both are set)",
+                )
+            )
     elif given.get(ACTOR + "ppo_micro_batch_size") is not None:
         total = int(given[ACTOR + "ppo_micro_batch_size"])
         per_rank = max(1, total // t.world_size)
@@ -745,6 +799,160 @@ def _count_rows(files: Any) -> Optional[int]:
     return total
 
 
+# ----------------------------------------------------------------------------- layout, offload, cache
+
+MEGATRON = ACTOR + "megatron."
+# verl's megatron layout keys -> rlstack's one layout (actor, critic and reference share it)
+LAYOUT = {
+    "tensor_model_parallel_size": "parallel.tp",
+    "pipeline_model_parallel_size": "parallel.pp",
+    "expert_model_parallel_size": "parallel.ep",
+}
+# verl's megatron offload switches -> rlstack's offload.* (the actor's, which the critic shares)
+OFFLOAD = {
+    MEGATRON + "param_offload": "offload.params",
+    MEGATRON + "optimizer_offload": "offload.optimizer",
+    MEGATRON + "grad_offload": "offload.grads",  # verl <= 0.4
+    REF + "megatron.param_offload": "offload.reference",
+}
+
+
+def _layout_offload_and_cache(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """The reference's and critic's megatron layout (rlstack runs them on the actor's), megatron
+    offload switches, and the rollout's free_cache_engine."""
+    handled: set[str] = set()
+    if MEGATRON + "expert_model_parallel_size" in given:
+        t.set(
+            "parallel.ep",
+            int(given[MEGATRON + "expert_model_parallel_size"]),
+            src(MEGATRON + "expert_model_parallel_size"),
+        )
+        handled.add(MEGATRON + "expert_model_parallel_size")
+    for role in (REF + "megatron.", "critic.megatron."):
+        for name, target in LAYOUT.items():
+            key = role + name
+            if key not in given:
+                continue
+            handled.add(key)
+            actor = int(given.get(MEGATRON + name) or 1)
+            if int(given[key]) != actor:
+                t.ignored.append(
+                    (
+                        f"{key}={_flow(given[key])}",
+                        f"rlstack runs every role on one layout: the actor's {target}={actor} "
+                        f"({MEGATRON}{name}) wins; only memory per GPU differs, not what is computed",
+                    )
+                )
+    for key, target in OFFLOAD.items():
+        if key in given:
+            t.set(target, bool(given[key]), src(key))
+            handled.add(key)
+    for name in ("param_offload", "optimizer_offload", "grad_offload"):
+        key, actor_key = "critic.megatron." + name, MEGATRON + name
+        if key in given:
+            handled.add(key)
+            if bool(given[key]) != bool(given.get(actor_key, False)):
+                t.ignored.append(
+                    (
+                        f"{key}={_flow(given[key])}",
+                        f"rlstack's {OFFLOAD[actor_key]} covers actor and critic: {actor_key} wins",
+                    )
+                )
+    handled |= _free_cache(given, t, src)
+    return handled
+
+
+# verl 0.9.1's default data files (its GSM8K preprocessing output); `~` expanded, as rlstack reads paths as given
+VERL_DATA_FILES = {
+    "data.train_files": "~/data/rlhf/gsm8k/train.parquet",
+    "data.val_files": "~/data/rlhf/gsm8k/test.parquet",
+}
+
+
+def _default_files(given: dict, t: Translation) -> None:
+    """A command line without data files runs on verl's defaults: written out, so the file says what verl reads."""
+    for key, path in VERL_DATA_FILES.items():
+        if key not in given:
+            t.set(key, [os.path.expanduser(path)], f"verl's default {key}={path}")
+
+
+def _free_cache(given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """verl's rollout.free_cache_engine (free the engine's KV cache between rollouts) is
+    rollout.free_cache_during_update with vLLM; the hf engine frees its cache after every generate."""
+    key = ROLLOUT + "free_cache_engine"
+    if key not in given:
+        return set()
+    if t.values.get("rollout.engine") == "vllm":
+        t.set("rollout.free_cache_during_update", bool(given[key]), src(key))
+    else:
+        t.ignored.append(
+            (
+                f"{key}={_flow(given[key])}",
+                "rlstack's hf engine frees its cache after every generate (rollout.free_cache_during_update "
+                "is vLLM's: set actor_rollout_ref.rollout.name=vllm)",
+            )
+        )
+    return {key}
+
+
+# ----------------------------------------------------------------------------- verl's own keys
+
+# Names other trainers use for a verl setting (HF Trainer, TRL, OpenRLHF), for "not a verl key" hints.
+FOREIGN_NAMES = {
+    "max_steps": "trainer.total_training_steps",
+    "num_train_epochs": "trainer.total_epochs",
+    "learning_rate": ACTOR + "optim.lr",
+    "num_generations": ROLLOUT + "n",
+    "max_completion_length": "data.max_response_length",
+    "max_prompt_length": "data.max_prompt_length",
+}
+
+
+def verl_keys() -> frozenset:
+    """Every leaf key of verl 0.9.1's main_ppo config (rlstack/verl_keys.txt), and the keys rlstack's
+    tables name from older verl releases."""
+    global _VERL_KEYS
+    if _VERL_KEYS is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_keys.txt")
+        with open(path) as f:
+            keys = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+        keys |= set(DIRECT) | set(SPECIAL) | set(VERL_DEFAULTS) | set(OFFLOAD)
+        keys |= {k.rstrip(".") for k in IGNORED_PREFIXES}
+        _VERL_KEYS = frozenset(keys)
+    return _VERL_KEYS
+
+
+_VERL_KEYS: Optional[frozenset] = None
+
+
+def is_verl_key(key: str) -> bool:
+    """`key` or a section above it is a verl key (a key under a free-form mapping such as
+    engine_kwargs or override_transformer_config is verl's too)."""
+    parts = key.split(".")
+    keys = verl_keys()
+    return any(".".join(parts[:i]) in keys for i in range(len(parts), 0, -1))
+
+
+def nearest_verl_key(key: str) -> Optional[str]:
+    """The verl key meant by `key`: another trainer's name for it, else the closest spelling."""
+    import difflib
+
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in FOREIGN_NAMES:
+        return FOREIGN_NAMES[leaf]
+    close = difflib.get_close_matches(key, sorted(verl_keys()), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def not_verl_message(key: str) -> str:
+    """For a key verl does not have: says so, and names the nearest verl key and its rlstack key."""
+    near = nearest_verl_key(key)
+    if near is None:
+        return "not a verl key (verl 0.9.1's main_ppo has no such setting): check the spelling"
+    ours = rlstack_name_for(near)
+    return f"not a verl key; verl's is {near}" + (f" (rlstack: {ours})" if ours else "")
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -774,7 +982,7 @@ def to_yaml_text(t: Translation, command: str = "") -> str:
         path = sections
         lines.append("  " * len(sections) + f"{leaf}: {_flow(t.values[key])}  # {t.sources[key]}")
     if t.ignored:
-        lines += ["", "# Not needed in rlstack (no effect on what it computes):"]
+        lines += ["", "# Ignored (no effect on what rlstack computes, or another key sets the same value and wins):"]
         lines += [f"#   {item}: {why}" for item, why in t.ignored]
     if t.unsupported:
         lines += ["", "# UNSUPPORTED (not translated; the run will differ from verl's here):"]

@@ -11,17 +11,18 @@ from megatron_bridge.parallel import ParallelDims
 from rlstack.errors import UserError
 
 
-def model_args_from_config(model_cfg):
-    """The configured model's ModelArgs from its config.json alone; None when model.path does not exist yet."""
+def model_args_from_config(model_cfg, model_config_file=None):
+    """The configured model's ModelArgs from its config.json alone (or `--model-config`'s); None when
+    model.path does not exist yet and no model config is given."""
     from rlstack.planner.shapes import hf_config_for, model_args, model_config_present
 
-    if not model_config_present(model_cfg):
+    if not model_config_file and not model_config_present(model_cfg):
         return None
-    hf, source = hf_config_for(model_cfg)
+    hf, source = hf_config_for(model_cfg, model_config_file)
     return model_args(hf, source)
 
 
-def check_layout(cfg, world_size: int) -> ParallelDims:
+def check_layout(cfg, world_size: int, model_config_file=None) -> ParallelDims:
     """Static parallel checks of an experiment config (no process group, no model load).
 
     With split placement the training layout is checked against the training ranks alone
@@ -30,7 +31,7 @@ def check_layout(cfg, world_size: int) -> ParallelDims:
     p = cfg.parallel
     check_placement(cfg, world_size)
     dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size - cfg.placement.rollout_ranks, ep=p.ep)
-    args = model_args_from_config(cfg.model)
+    args = model_args_from_config(cfg.model, model_config_file)
     if args is not None:
         dims.check_model(args)
     if cfg.data.train_batch_size % dims.dp:

@@ -1,7 +1,7 @@
 """Memory plan of an experiment before any GPU hour is spent (reads only the model's config.json).
 
-    python -m rlstack.plan --config yaml_configs/X.yaml [key=value ...] --world-size N --gpu-memory-gib G
-                           [--model-config FILE] [--device gpu|cpu] [--unfused-attention] [--json]
+    python -m rlstack.plan --config yaml_configs/X.yaml [key=value ...] --world-size N [--gpu-memory-gib G]
+                           [--model-config FILE|NAME] [--device gpu|cpu] [--unfused-attention] [--json]
 
 Prints each role's bytes per phase (rollout, scoring, update, optimizer step) on the most loaded GPU
 and the peak as `N GiB of G GiB`. Exit 0 when it fits, 1 when it does not (naming the overrides that
@@ -30,8 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
-    parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (or CPU rank) in GiB")
-    parser.add_argument("--model-config", default=None, help="the model's config.json, when model.path is absent here")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=0.0,
+        help="memory of one GPU (or CPU rank) in GiB; default: the config's parallel.gpu_memory_gib",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="the model's config.json, or a shipped model name (Qwen/Qwen2-7B-Instruct), when model.path is absent here",
+    )
     parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"), help="plan GPU memory or CPU host memory")
     parser.add_argument(
         "--unfused-attention",
@@ -69,10 +78,17 @@ def _plan(args):
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise UserError(str(e))
+    memory = args.gpu_memory_gib or (cfg.parallel.gpu_memory_gib if args.device == "gpu" else 0)
+    if not memory and args.device == "cpu":
+        raise UserError("--device cpu: pass --gpu-memory-gib G, the host memory of one CPU rank in GiB")
+    if not memory:
+        raise UserError(
+            f"{args.config} names no target GPU (parallel.gpu_memory_gib): pass --gpu-memory-gib G, e.g. 80"
+        )
     return plan_for_config(
         cfg,
         args.world_size,
-        args.gpu_memory_gib,
+        memory,
         device=args.device,
         model_config_file=args.model_config,
         config_path=args.config,

@@ -4,7 +4,9 @@
 give the same one-line messages: the parallel layout, the model directory (config.json and
 tokenizer files), the data files (exist, parse, first rows valid), the reward file and function,
 and the output directory (writable, and not holding an earlier run unless resumed or overwritten).
-Reads only; torch-free.
+Reads only; torch-free. Checking a config for another machine (`--validate-only --model-config`),
+a model directory or data file that is not here is a warning, not an error: the model's shape comes
+from the given config.json.
 """
 
 from __future__ import annotations
@@ -27,23 +29,29 @@ class Preflight:
     resume_from: str  # checkpoint directory the run resumes from ("" = none)
 
 
-def preflight(cfg, world_size: int) -> Preflight:
-    """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise."""
+def preflight(cfg, world_size: int, model_config_file=None) -> Preflight:
+    """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise.
+
+    With `model_config_file` (--model-config: the config is checked for another machine) a model
+    directory or data file missing here is a warning."""
     from rlstack import host_memory
     from rlstack.parallel import check_layout
 
+    elsewhere = bool(model_config_file)
     for key in ("model.path", "model.critic_path", "reward_model.path"):
+        if elsewhere and _absent_here(_get(cfg, key), key):
+            continue
         check_model_dir(_get(cfg, key), key)
-    if cfg.reward_model.path:
+    if cfg.reward_model.path and os.path.isdir(cfg.reward_model.path):
         check_reward_model_dir(cfg.reward_model.path)
-    dims = check_layout(cfg, world_size)
+    dims = check_layout(cfg, world_size, model_config_file)
     check_lora(cfg)
     host_memory.wanted_allocator(cfg.parallel.host_allocator)  # tcmalloc asked for and not installed
     check_cache_dir(cfg)
-    sources = check_data(cfg)
+    sources = check_data(cfg, missing_ok=elsewhere)
     check_reward(cfg, sources)
     check_algorithm_params(cfg)
-    check_context_length(cfg)
+    check_context_length(cfg, model_config_file)
     check_prompt_lengths(cfg)
     check_agent_config(cfg)  # rollout.agent_loop and rollout.multi_turn's tool files load
     resume_from = check_output_dir(cfg)
@@ -113,6 +121,28 @@ def _check_lora_shape(key: str, lora, args, ep: int) -> None:
             )
 
 
+def _absent_here(path, key: str) -> bool:
+    """A model directory that is not on this machine, warned about (the config is checked for another)."""
+    from megatron_bridge import hub_cache
+
+    if path in (None, "", "default", "tiny") or os.path.exists(path):
+        return False
+    if hub_cache.looks_like_hub_id(path):
+        try:
+            hub_cache.resolve_hub_id(path)
+            return False
+        except Exception:
+            pass
+    _warn(f"{key}={path} is not on this machine: checked with --model-config; the run needs it there")
+    return True
+
+
+def _warn(message: str) -> None:
+    import logging
+
+    logging.getLogger("rlstack").warning(message)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -131,7 +161,10 @@ def check_model_dir(path, key: str) -> None:
         except InputError as e:
             raise UserError(f"{key}: {e}") from None
     if not os.path.exists(path):
-        raise UserError(f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny`")
+        raise UserError(
+            f"{key}={path} does not exist: pass an HF checkpoint directory, `default` or `tiny` (checking a "
+            "config for another machine: --validate-only --model-config FILE|NAME)"
+        )
     if not os.path.isdir(path):
         raise UserError(f"{key}={path} is a file: pass the HF checkpoint directory that holds config.json")
     from megatron_bridge.mappings import is_seq_cls_config, seq_cls_body_config
@@ -173,8 +206,9 @@ def check_reward_model_dir(path: str, key: str = "reward_model.path") -> None:
 # ----------------------------------------------------------------------------- data and rewards
 
 
-def check_data(cfg) -> list:
-    """Each data file exists and its first rows parse; returns the data sources seen."""
+def check_data(cfg, missing_ok: bool = False) -> list:
+    """Each data file exists and its first rows parse; returns the data sources seen. With
+    `missing_ok` (checking a config for another machine) a file not here is a warning."""
     from rlstack.data.rows import read_file, validate_row
     from rlstack.data.synthetic import make_rows
 
@@ -183,6 +217,9 @@ def check_data(cfg) -> list:
     for key, paths in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         _check_duplicate_files(paths, key)
         for path in paths:
+            if missing_ok and not os.path.exists(path):
+                _warn(f"{key}: {path} is not on this machine: its rows are not checked; the run needs it there")
+                continue
             rows = read_file(path)
             if not rows:
                 raise UserError(f"data file {path} has no rows: point {key} at a non-empty file")
@@ -358,12 +395,12 @@ def check_output_dir(cfg):
     return None
 
 
-def check_context_length(cfg) -> None:
+def check_context_length(cfg, model_config_file=None) -> None:
     """A prompt plus its response must fit the model's positions (RoPE tables, engine's max_model_len)."""
     from rlstack.planner.shapes import hf_config_for
 
     try:
-        hf, source = hf_config_for(cfg.model)
+        hf, source = hf_config_for(cfg.model, model_config_file)
     except UserError:
         return  # check_model_dir named the problem, or the planner will
     limit = hf.get("max_position_embeddings")
@@ -381,7 +418,8 @@ def check_prompt_lengths(cfg) -> None:
     it builds the dataset), when the tokenizer is on disk already (a local model directory, or a
     tiny/default model built before); otherwise the run checks it before its first step."""
     directory = _tokenizer_dir(cfg.model)
-    if directory is None or not (cfg.data.train_files or cfg.data.val_files):
+    files = cfg.data.train_files + cfg.data.val_files
+    if directory is None or not files or not all(os.path.exists(path) for path in files):
         return
     from transformers import AutoTokenizer
 

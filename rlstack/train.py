@@ -2,6 +2,9 @@
 
 torchrun --nproc_per_node=2 -m rlstack.train --config yaml_configs/tiny_cpu.yaml key=value ...
 python -m rlstack.train --config FILE --validate-only     # any machine, nothing started
+python -m rlstack.train --config FILE --validate-only --world-size 8 --model-config Qwen/Qwen2-7B-Instruct
+    # a GPU config on any machine: the model's shape from a config.json (or a shipped one), planned for
+    # the config's GPUs (parallel.gpu_memory_gib, or --gpu-memory-gib); model and data absent here are warnings
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=0, help="with --validate-only: world size to check")
     parser.add_argument(
         "--plan-summary", action="store_true", help="with --validate-only: the memory plan in one line (launch/ppo.sh)"
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="with --validate-only: the model's config.json, or a shipped model name (Qwen/Qwen2-7B-Instruct), "
+        "for a config whose model.path is on another machine",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib", type=float, default=0.0, help="with --validate-only: plan for GPUs of this many GiB"
     )
     return parser.parse_args(argv)
 
@@ -47,6 +59,10 @@ def _run(args, rank: int) -> int:
     from rlstack.observability.quiet import quiet_third_party
 
     quiet_third_party(cfg.logging.verbose)  # before megatron, transformers and vLLM are imported
+    if (args.model_config or args.gpu_memory_gib) and not args.validate_only:
+        from rlstack.errors import UserError
+
+        raise UserError("--model-config and --gpu-memory-gib check a config for another machine: add --validate-only")
     if not args.validate_only and __name__ == "__main__":  # the program itself, before torch and threads exist:
         from rlstack.host_memory import exec_with_allocator  # the rank restarts itself on tcmalloc
 
@@ -71,7 +87,7 @@ def _run(args, rank: int) -> int:
 def _validate_only(args, cfg, world_size: int) -> int:
     from rlstack.preflight import preflight
 
-    found = preflight(cfg, world_size)
+    found = preflight(cfg, world_size, model_config_file=args.model_config)
     dims = found.dims
     resume = f", resumes from {found.resume_from}" if found.resume_from else ""
     if cfg.placement.rollout_ranks:  # split placement: dims are the training ranks' own
@@ -82,7 +98,9 @@ def _validate_only(args, cfg, world_size: int) -> int:
     )
     from rlstack.planner import format_plan, plan_for_validate, summarize_plan
 
-    plan = plan_for_validate(cfg, dims.world_size, config_path=args.config)
+    plan = plan_for_validate(
+        cfg, dims.world_size, args.gpu_memory_gib, config_path=args.config, model_config_file=args.model_config
+    )
     if plan is not None:  # the model's config.json is here: the memory plan for this machine
         print(summarize_plan(plan) if args.plan_summary else format_plan(plan))
         if not plan.fits:

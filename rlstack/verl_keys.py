@@ -226,7 +226,6 @@ IGNORED_PREFIXES: dict[str, str] = {
     "critic.model.use_remove_padding": "the critic follows model.remove_padding (the actor's setting)",
     "critic.model.trust_remote_code": "rlstack loads llama/qwen2 layouts through megatron_bridge",
     "critic.model.tokenizer_path": "the critic uses the actor's tokenizer",
-    ROLLOUT + "free_cache_engine": "rlstack's engine keeps its cache between steps",
     ROLLOUT + "load_format": "weights are synced in place by megatron_bridge",
     ROLLOUT + "enable_chunked_prefill": "vLLM scheduling detail",
     ROLLOUT + "prompt_length": "set from data.max_prompt_length",

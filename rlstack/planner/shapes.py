@@ -2,8 +2,10 @@
 
 `model.path: default` uses the embedded SmolLM2-135M-Instruct's config.json (the numbers in
 docs/bridge.md), `tiny` the config's `model.tiny` shape, anything
-else `<model.path>/config.json`, or the file passed as `--model-config`. There is no silent
-fallback: a missing config.json is a user error that names both fixes.
+else `<model.path>/config.json`, or what `--model-config` names: a config.json file, or a hub-style
+model name whose config.json ships in rlstack/planner/model_configs/ (`Qwen/Qwen2-7B-Instruct`), so a
+GPU config can be checked and planned on any machine. There is no silent fallback: a missing
+config.json is a user error that names both fixes.
 """
 
 from __future__ import annotations
@@ -59,10 +61,36 @@ def tiny_hf_config(tiny) -> dict:
     }
 
 
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
+
+
+def shipped_model_names() -> list[str]:
+    """The hub-style names whose config.json ships with rlstack (`qwen2-7b-instruct`, ...)."""
+    return sorted(name[: -len(".json")] for name in os.listdir(SHIPPED_CONFIGS) if name.endswith(".json"))
+
+
+def resolve_model_config(name_or_file: str) -> str:
+    """`--model-config`: a config.json file as given, else a hub-style name (`Qwen/Qwen2-7B-Instruct`,
+    case-insensitive, organisation optional) whose config ships in rlstack/planner/model_configs/."""
+    path = os.path.expanduser(name_or_file)
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return os.path.join(path, "config.json")
+    shipped = os.path.join(SHIPPED_CONFIGS, name_or_file.rstrip("/").rsplit("/", 1)[-1].lower() + ".json")
+    if not name_or_file.endswith(".json") and os.path.isfile(shipped):
+        return shipped
+    raise UserError(
+        f"--model-config {name_or_file}: no such file, and no shipped config of that name: pass a model's "
+        f"config.json or one of {', '.join(shipped_model_names())} (rlstack/planner/model_configs/)"
+    )
+
+
 def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[dict, str]:
-    """(config.json as a dict, where it came from) for the configured model."""
+    """(config.json as a dict, where it came from) for the configured model (or `--model-config`'s)."""
     if model_config_file:
-        return read_config_file(model_config_file), model_config_file
+        path = resolve_model_config(model_config_file)
+        return read_config_file(path), path
     if model_cfg.path == "tiny":
         return tiny_hf_config(model_cfg.tiny), "model.tiny"
     if model_cfg.path == "default":
@@ -76,7 +104,7 @@ def hf_config_for(model_cfg, model_config_file: Optional[str] = None) -> tuple[d
     if not os.path.isfile(path):
         raise UserError(
             f"model.path={model_cfg.path}: no config.json there; set model.path=<HF directory> "
-            f"or pass --model-config FILE (a config.json; tests/assets/model_configs/ has Qwen2's)"
+            f"or pass --model-config FILE|NAME (a config.json, or one of {', '.join(shipped_model_names())})"
         )
     return read_config_file(path), path
 

@@ -21,13 +21,22 @@ def local_device_memory_gib(local_world_size: int = 1) -> tuple[str, float]:
 
 
 def plan_for_validate(
-    cfg, world_size: int, gpu_memory_gib: Optional[float] = None, config_path: str = ""
+    cfg,
+    world_size: int,
+    gpu_memory_gib: Optional[float] = None,
+    config_path: str = "",
+    model_config_file: Optional[str] = None,
 ) -> Optional[Plan]:
-    """The plan for this machine (or for `gpu_memory_gib` GPUs); None when model.path has no config.json."""
-    if not model_config_present(cfg.model):
+    """The plan for the device the config targets: `gpu_memory_gib` GPUs (--gpu-memory-gib), else the
+    config's own parallel.gpu_memory_gib, else this machine. None when the model's config.json is
+    neither at model.path nor given as `model_config_file`."""
+    if not model_config_file and not model_config_present(cfg.model):
         return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    device, memory = local_device_memory_gib(local)
-    if gpu_memory_gib:
-        device, memory = "gpu", gpu_memory_gib
-    return plan_for_config(cfg, world_size, memory, device=device, config_path=config_path)
+    target = gpu_memory_gib or cfg.parallel.gpu_memory_gib
+    if target:
+        device, memory = "gpu", target
+    else:
+        device, memory = local_device_memory_gib(int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    return plan_for_config(
+        cfg, world_size, memory, device=device, config_path=config_path, model_config_file=model_config_file
+    )

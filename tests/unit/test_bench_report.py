@@ -281,7 +281,7 @@ def test_each_setting_is_compared_with_its_own_trl_run():
     text = report.render_markdown(results, f)
     assert "| step time | no reference | 11 s | 22 s | 0.50x |" in text
     assert "| step time | with reference | 19 s | 30 s | 0.63x |" in text
-    assert "| target (issue 15) | bound | measured (no_ref) | met | measured (ref) | met |" in text
+    assert "| target | bound | measured (no_ref) | met | measured (ref) | met |" in text
     assert "| GRPO step time / TRL's | <= 0.6 | 0.5 | yes | 0.633 | no |" in text
     assert "Both sides:" in text and "gradient checkpointing off (TRL: off)" in text
 

@@ -18,7 +18,7 @@ ALL_CONFIGS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 
 # Shapes from the models' HF config.json (vocab before Megatron's padding).
 def _args(name):
-    with open(os.path.join(ROOT, "tests", "assets", "model_configs", name)) as f:
+    with open(os.path.join(ROOT, "rlstack", "planner", "model_configs", name)) as f:
         return ModelArgs.from_hf_config(json.load(f), name)
 
 

@@ -14,7 +14,7 @@ from rlstack.planner import format_plan, plan_for_config, plan_for_validate
 from rlstack.planner import memory as m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ASSETS = os.path.join(ROOT, "tests", "assets", "model_configs")
+ASSETS = os.path.join(ROOT, "rlstack", "planner", "model_configs")
 QWEN_0P5B = os.path.join(ASSETS, "qwen2-0.5b-instruct.json")
 QWEN_7B = os.path.join(ASSETS, "qwen2-7b-instruct.json")
 CFG_0P5B = os.path.join(ROOT, "yaml_configs", "qwen2_0p5b_gsm8k_1gpu.yaml")

@@ -11,7 +11,7 @@ from rlstack.planner.build import candidate_changes
 from rlstack.planner.items import PHASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QWEN_7B = os.path.join(ROOT, "tests", "assets", "model_configs", "qwen2-7b-instruct.json")
+QWEN_7B = os.path.join(ROOT, "rlstack", "planner", "model_configs", "qwen2-7b-instruct.json")
 CFG_7B = os.path.join(ROOT, "yaml_configs", "qwen2_7b_gsm8k_8xa100.yaml")
 
 

@@ -14,7 +14,7 @@ from rlstack.planner.build import plan_for_config
 from rlstack.planner.memory import GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ASSETS = os.path.join(ROOT, "tests", "assets", "model_configs")
+ASSETS = os.path.join(ROOT, "rlstack", "planner", "model_configs")
 # config -> (model config.json, world size, GPU GiB)
 CONFIGS = {
     "qwen3_8b_8xa100.yaml": ("qwen3-8b.json", 8, 80),
