@@ -2,7 +2,8 @@
 
 Engines (`hf_engine.HFEngine`, `vllm_engine.VLLMEngine`) live one per rank for the whole run; the
 weight-sync bridge (`megatron_bridge.reshard.WeightSync`) writes the actor's weights into them
-before every rollout, either in place through `param_targets()` or through `load_weights()`.
+before every rollout, either in place through `param_targets()` or through `load_weights()`
+(the contract: `megatron_bridge.sync_target.SyncTarget`).
 
 Log-prob convention: `Generation.logprobs[i]` is log p(response_ids[i]) under the temperature-scaled
 distribution softmax(logits / temperature) that was sampled from (temperature 1 for greedy), as in
@@ -62,9 +63,13 @@ class Generation:
 
 
 class RolloutEngine(ABC):
-    """One rollout engine per rank. `tp_size`/`tp_rank` are its rollout tensor-parallel position."""
+    """One rollout engine per rank. `tp_size`/`tp_rank` are its rollout tensor-parallel position.
 
-    kind: str = "base"
+    It implements the bridge's `megatron_bridge.sync_target.SyncTarget` (what the weight sync writes
+    into: `param_targets`, `load_weights`, `expected_shapes`, `weights_updated`, `alias_weights`,
+    `target_layout`), plus generation and its counters."""
+
+    target_layout: str = "hf"  # megatron_bridge.sync_target.SyncTarget: names of param_targets()
     tp_size: int = 1
     tp_rank: int = 0
 
