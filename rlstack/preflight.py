@@ -1,10 +1,13 @@
 """Everything a run needs, checked before any process group, model or engine starts.
 
 `python -m rlstack.train --validate-only` and every real run call the same `preflight`, so both
-give the same one-line messages: the parallel layout, the model directory (config.json and
-tokenizer files), the data files (exist, parse, first rows valid), the reward file and function,
-and the output directory (writable, and not holding an earlier run unless resumed or overwritten).
-Reads only; torch-free.
+give the same one-line messages: every config value check that needs no loaded model (the config
+tree's own, `rlstack.config.check_values`, again: a tree built or changed in code gets them too;
+the parallel layout and the rollout settings against the ranks, `rlstack.parallel.check_layout`),
+the model directory (config.json and tokenizer files), the data files (exist, parse, first rows
+valid, enough prompts for a batch), the reward file and function, and the output directory
+(writable, and not holding an earlier run unless resumed or overwritten). Reads only; torch-free.
+tests/unit/test_preflight_values.py runs it over a table of bad values.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ class Preflight:
 def preflight(cfg, world_size: int) -> Preflight:
     """Raise the first UserError a run of `cfg` on `world_size` ranks would hit; what was found otherwise."""
     from rlstack import host_memory
+    from rlstack.config import check_values
     from rlstack.parallel import check_layout
 
+    check_values(cfg)
     for key in ("model.path", "model.critic_path", "reward_model.path"):
         check_model_dir(_get(cfg, key), key)
     if cfg.reward_model.path:
@@ -114,15 +119,24 @@ def check_data(cfg) -> list:
     from rlstack.data.synthetic import make_rows
 
     d = cfg.data
-    sources = set()
+    sources, num_train = set(), 0
     for key, paths in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for path in paths:
             rows = read_file(path)
+            num_train += len(rows) if key == "data.train_files" else 0
             for index, item in enumerate(rows[:FIRST_ROWS]):
                 sources.add(validate_row(item, f"data file {path} row {index}", d.prompt_key)["data_source"])
     if not d.train_files and d.synthetic:
+        if d.synthetic_train_size < 1:
+            raise UserError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
+        num_train = d.synthetic_train_size
         sources.update(
             row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand)
+        )
+    if num_train < d.train_batch_size:  # (prompts dropped by data.truncation=drop are found when loading)
+        raise UserError(
+            f"the training data has {num_train} prompts, fewer than data.train_batch_size={d.train_batch_size}: "
+            "lower data.train_batch_size or add prompts (data.train_files, data.synthetic_train_size)"
         )
     return sorted(sources)
 
