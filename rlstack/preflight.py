@@ -5,7 +5,7 @@ give the same one-line messages: every config value check that needs no loaded m
 tree's own, `rlstack.config.check_values`, again: a tree built or changed in code gets them too;
 the parallel layout and the rollout settings against the ranks, `rlstack.parallel.check_layout`),
 the model directory (config.json and tokenizer files), the data files (exist, parse, first rows
-valid, enough prompts for a batch), the reward file and function, and the output directory
+valid; a synthetic set holds a batch), the reward file and function, and the output directory
 (writable, and not holding an earlier run unless resumed or overwritten). Reads only; torch-free.
 tests/unit/test_preflight_values.py runs it over a table of bad values.
 """
@@ -119,24 +119,23 @@ def check_data(cfg) -> list:
     from rlstack.data.synthetic import make_rows
 
     d = cfg.data
-    sources, num_train = set(), 0
+    sources = set()
     for key, paths in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for path in paths:
             rows = read_file(path)
-            num_train += len(rows) if key == "data.train_files" else 0
             for index, item in enumerate(rows[:FIRST_ROWS]):
                 sources.add(validate_row(item, f"data file {path} row {index}", d.prompt_key)["data_source"])
     if not d.train_files and d.synthetic:
+        # (files: the sampler counts the prompts kept after data.truncation, when the run loads them)
         if d.synthetic_train_size < 1:
             raise UserError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
-        num_train = d.synthetic_train_size
+        if d.synthetic_train_size < d.train_batch_size:
+            raise UserError(
+                f"data.synthetic_train_size={d.synthetic_train_size} prompts are fewer than "
+                f"data.train_batch_size={d.train_batch_size}: lower data.train_batch_size or raise data.synthetic_train_size"
+            )
         sources.update(
             row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand)
-        )
-    if num_train < d.train_batch_size:  # (prompts dropped by data.truncation=drop are found when loading)
-        raise UserError(
-            f"the training data has {num_train} prompts, fewer than data.train_batch_size={d.train_batch_size}: "
-            "lower data.train_batch_size or add prompts (data.train_files, data.synthetic_train_size)"
         )
     return sorted(sources)
 

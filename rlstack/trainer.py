@@ -93,7 +93,8 @@ class Trainer:
         t_step = time.perf_counter()
         batch = self.source.next_batch(self.step)
         t0 = time.perf_counter()
-        metrics = self._update(batch.rollout, forward_only=dry_run)
+        metrics = self._forwards_and_advantages(batch.rollout)
+        metrics.update(self._update(batch.rollout, forward_only=dry_run))
         sync_check.check_rollout_diff(self.cfg.rollout, self.step, metrics)
         metrics.update(batch.timings)
         metrics["timing/update_s"] = time.perf_counter() - t0
@@ -117,34 +118,37 @@ class Trainer:
         )
         return out
 
+    def _forwards_and_advantages(self, rollout: Rollout) -> dict:
+        """The scoring phase: old / reference log-probs and values (`ScoreForwards`; the split source
+        may have filled them while streaming), the engine's agreement with the actor, advantages."""
+        self.phases.enter("scoring")  # offload: weights in; grads and optimizer stay out
+        self.forwards.fill(rollout)
+        metrics = {} if rollout.on_policy else step_metrics.engine_agreement(rollout, self.groups)
+        metrics.update(self._advantages(rollout))
+        return metrics
+
     def _update(self, rollout: Rollout, forward_only: bool) -> dict:
-        """Score forwards, advantages, then the PPO epochs over mini-batches; the update's metrics."""
+        """The PPO epochs over mini-batches (critic, then actor); the update's metrics."""
         a, g = self.cfg.algorithm, self.groups
         metrics = {}
-        self.phases.enter("scoring")  # offload: weights in; grads and optimizer stay out
-        self.forwards.fill(rollout)  # (the split source streams these per micro-batch: filled then)
-        if not rollout.on_policy:
-            metrics.update(step_metrics.engine_agreement(rollout, g))
-        metrics.update(self._advantages(rollout))
         self.phases.enter("update")  # offload: grads and optimizer state back
         minis = rollout.mini_batches(a.mini_batch_size, g.dims.dp, a.micro_batch_size)
         train_actor = self.step >= a.critic_warmup_steps
+        scale_factor = float(a.loss_scale_factor or self.cfg.rollout.max_new_tokens)  # Dr.GRPO's constant length
         actor_stats, critic_stats, actor_norms, critic_norms, actor_s, critic_s = [], [], [], [], 0.0, 0.0
         for _ in range(a.ppo_epochs):
             for mini in minis:
-                counts = step_metrics.loss_counts(
-                    mini, g, float(a.loss_scale_factor or self.cfg.rollout.max_new_tokens)
-                )
+                counts = step_metrics.loss_counts(mini, g, scale_factor)
                 if self.critic is not None:
                     t0 = time.perf_counter()
                     out = self.critic.update(mini, counts, a.micro_batch_size, forward_only=forward_only)
-                    critic_stats, critic_s = critic_stats + out["stats"], critic_s + time.perf_counter() - t0
-                    critic_norms.append(out["grad_norm"])
+                    critic_stats, critic_s = critic_stats + out.stats, critic_s + time.perf_counter() - t0
+                    critic_norms.append(out.grad_norm)
                 t0 = time.perf_counter()
                 if train_actor:
                     out = self.actor.update(mini, counts, a.micro_batch_size, forward_only=forward_only)
-                    actor_stats += out["stats"]
-                    actor_norms.append(out["grad_norm"])
+                    actor_stats += out.stats
+                    actor_norms.append(out.grad_norm)
                 actor_s += time.perf_counter() - t0
         metrics.update(step_metrics.train_throughput(rollout, a.ppo_epochs, actor_s, critic_s, g))
         metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
