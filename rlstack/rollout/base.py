@@ -69,7 +69,7 @@ class RolloutEngine(ABC):
     into: `param_targets`, `load_weights`, `expected_shapes`, `weights_updated`, `alias_weights`,
     `target_layout`), plus generation and its counters."""
 
-    target_layout: str = "hf"  # megatron_bridge.sync_target.SyncTarget: names of param_targets()
+    target_layout: str  # megatron_bridge.sync_target.SyncTarget: names of param_targets(); each engine sets it
     tp_size: int = 1
     tp_rank: int = 0
 
