@@ -36,7 +36,6 @@ from rlstack.rollout import sync_check
 from rlstack.step import StepBatch
 from rlstack.step import metrics as step_metrics
 from rlstack.workers.batch import Rollout, pad_rows
-from rlstack.workers.step_metrics import reduce_stats
 
 __all__ = ["Trainer", "TrainerParts", "build_trainer"]
 
@@ -151,8 +150,8 @@ class Trainer:
                     actor_norms.append(out.grad_norm)
                 actor_s += time.perf_counter() - t0
         metrics.update(step_metrics.train_throughput(rollout, a.ppo_epochs, actor_s, critic_s, g))
-        metrics.update(reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
-        metrics.update(reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
+        metrics.update(step_metrics.reduce_stats(actor_stats, g, len(minis) * a.ppo_epochs, "actor"))
+        metrics.update(step_metrics.reduce_stats(critic_stats, g, len(minis) * a.ppo_epochs, "critic"))
         metrics.update(step_metrics.is_metrics(actor_stats, g, a.rollout_is))
         if not forward_only:
             metrics.update(step_metrics.grad_norms(actor_norms, critic_norms))
