@@ -90,7 +90,7 @@ def describe_setup(args, cfg) -> dict:
         "kl_loss_coef": a.kl_loss_coef,
         "distributed_optimizer": cfg.parallel.use_distributed_optimizer,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
-        # The trainer skips the old-log-prob forward on policy (rlstack.trainer.Trainer._on_policy).
+        # The trainer skips the old-log-prob forward on policy (rlstack.step.colocated.ColocatedSource.on_policy).
         "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
         "steps": args.steps,

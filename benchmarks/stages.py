@@ -99,7 +99,7 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     import torch
 
     from rlstack import collectives, stages
-    from rlstack.trainer import DTYPES
+    from rlstack.build import DTYPES
     from rlstack.workers.actor import compute_logprobs
     from rlstack.workers.critic import Critic
     from rlstack.workers.megatron_role import MegatronRole
@@ -142,7 +142,8 @@ def run(args) -> dict:
     p = cfg.parallel
     patches.apply(p.allow_untested_megatron, "parallel.allow_untested_megatron=true")
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
-    hf_dir, tokenizer, train_set, _, sampler = build_data(cfg, g)  # the trainer's own data setup
+    data = build_data(cfg, g)  # the trainer's own data setup
+    hf_dir, tokenizer, train_set, sampler = data.hf_dir, data.tokenizer, data.train_set, data.sampler
     prompts = [train_set[i] for i in sampler.next_global_batch()]  # every rank: the whole step
     lengths = [len(train_set[i].input_ids) for i in range(len(train_set))]
     result = {

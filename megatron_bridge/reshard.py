@@ -11,16 +11,18 @@ plan -> execute -> transport (as megatron-core's resharding is laid out):
   feeds the engine's loader (vLLM on CPU repacks its weights). Everything (names, shapes, dtypes,
   on every rank) is validated before the first engine tensor is written.
 
-Engine layouts (`engine_kind`): "hf" = HF checkpoint names and shapes (the transformers engine; the
-vLLM loader, where each rollout TP rank fills only the rows its loader narrows to); "vllm" = vLLM's
-parameters (merged `qkv_proj` / `gate_up_proj`, vocabulary padded to 64 and split over rollout TP).
+Engine layouts (`engine_kind`, the engine's `target_layout` when written in place): "hf" = HF
+checkpoint names and shapes (the transformers engine; the vLLM loader, where each rollout TP rank
+fills only the rows its loader narrows to); "vllm" = vLLM's parameters (merged `qkv_proj` /
+`gate_up_proj`, vocabulary padded to 64 and split over rollout TP). What the sync asks of an engine
+is `megatron_bridge.sync_target.SyncTarget`; both syncs share its steps (`_write_engine`).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,8 +31,8 @@ import torch
 from megatron_bridge import layouts
 from megatron_bridge.errors import InputError
 from megatron_bridge.mappings import expert_offset, layer_offset, owner_ep, owner_stage, param_maps, to_local_name
-
-ENGINE_KINDS = ("hf", "vllm")
+from megatron_bridge.sync_target import TARGET_LAYOUTS as ENGINE_KINDS
+from megatron_bridge.sync_target import SyncTarget
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,66 @@ class _Bucket:
     outbox: dict  # shm: span key -> element offset; each span published once, read by every reader
 
 
+def unwrap_params(model) -> dict[str, torch.Tensor]:
+    """The named parameters of `model` under megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return dict(model.named_parameters())
+
+
+def plan_layout(engine: SyncTarget) -> str:
+    """The layout the plan writes in: the engine's own where it is written in place, else the
+    loader's HF names."""
+    return engine.target_layout if engine.param_targets() is not None else "hf"
+
+
+def span_numel(src_shapes: dict, key) -> int:
+    """Elements of span `key` = (Megatron name, stage, axis, start, length) of a source of that shape."""
+    name, stage, axis, _, length = key
+    shape = src_shapes[(stage, name)]
+    return length * (1 if len(shape) == 1 else shape[1 - axis])
+
+
+def bucket_of_groups(group_numel, elem: int, bucket_bytes: int) -> list[int]:
+    """The bucket index of each parameter group: groups in order, a new bucket once `bucket_bytes` is full."""
+    of_group, size, index = [], 0, 0
+    for numel in group_numel:  # same on every rank: derived from the model config only
+        if size and size + numel * elem > bucket_bytes:
+            index, size = index + 1, 0
+        of_group.append(index)
+        size += numel * elem
+    return of_group
+
+
+def _write_engine(engine: SyncTarget, tensors, buckets, fill, targets, dtype, device) -> None:
+    """Every engine tensor of `tensors` written, bucket by bucket: in place into `targets` (then
+    `engine.weights_updated()`), or (targets None) staged one bucket at a time and fed to the
+    engine's loader, which pulls them (ranks advance together).
+
+    `fill(index, bucket, target, staged_bytes)` writes the bucket's spans through `target(i)`, the
+    engine tensor of `tensors[i]`; `bucket.tensors` lists the indices a bucket holds.
+    """
+    if targets is not None:
+        for index, b in enumerate(buckets):
+            fill(index, b, lambda i: targets[tensors[i].name], 0)
+        engine.weights_updated()
+        return
+
+    def staged():
+        for index, b in enumerate(buckets):
+            # Rows a TP-sharded loader never reads (TensorPlan.complete False) stay uninitialised.
+            out = {i: torch.empty(tensors[i].shape, dtype=dtype, device=device) for i in b.tensors}
+            fill(index, b, out.__getitem__, sum(t.numel() * t.element_size() for t in out.values()))
+            for i in b.tensors:
+                yield tensors[i].name, out.pop(i)
+
+    engine.load_weights(staged())
+
+
+def _missing(engine: SyncTarget, names) -> str:
+    return f"the engine ({type(engine).__name__}) has no tensor {names[:4]}"
+
+
 class WeightSync:
     """Writes the actor's current weights into `engine` on every rank. All ranks call `sync()` together.
 
@@ -309,15 +371,13 @@ class WeightSync:
         if transport not in ("auto", "shm", "p2p"):
             raise InputError(f"transport={transport!r} is unknown: use auto, shm or p2p")
         self.groups, self.engine = groups, engine
-        while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
-            model = model.module
-        self.params = dict(model.named_parameters())
+        self.params = unwrap_params(model)
         te_spec = any(n.endswith("layer_norm_weight") for n in self.params)
         self.direct = engine.param_targets() is not None
-        kind = "vllm" if self.direct and engine.kind == "vllm" else "hf"
         self.ep = groups.dims.ep
+        layout = plan_layout(engine)
         self.plan = plan_reshard(
-            args, groups.dims.tp, groups.dims.pp, engine.tp_size, kind, te_spec, divisible_by, train_ep=self.ep
+            args, groups.dims.tp, groups.dims.pp, engine.tp_size, layout, te_spec, divisible_by, train_ep=self.ep
         )
         self.mine = self.plan.tensors(engine.tp_rank)
         self.src_shapes = {(stage, name): shape for stage, name, shape in self.plan.sources}
@@ -347,13 +407,8 @@ class WeightSync:
         """Every route of this model-parallel group: (bucket, reader, tensor, span) -> source rank."""
         me, table = self.groups.rank, {(dp, tp, pp): r for r, (dp, tp, pp, _, _) in peers.items()}
         elem = torch.empty((), dtype=self.dtype).element_size()
-        of_group, size, index = [], 0, 0
-        for numel in self.plan.group_numel:  # same on every rank: derived from the model config only
-            if size and size + numel * elem > bucket_bytes:
-                index, size = index + 1, 0
-            of_group.append(index)
-            size += numel * elem
-        buckets = [_Bucket([], [], {}, {}, {}) for _ in range(index + 1)]
+        of_group = bucket_of_groups(self.plan.group_numel, elem, bucket_bytes)
+        buckets = [_Bucket([], [], {}, {}, {}) for _ in range(of_group[-1] + 1 if of_group else 1)]
         used = {}  # (bucket, source, reader or None) -> elements so far in that message / outbox
         outboxes = {}  # (bucket, source) -> {span key: offset}
         for reader in members:
@@ -393,9 +448,7 @@ class WeightSync:
         return buckets, slot_numel
 
     def _numel(self, key) -> int:
-        name, stage, axis, _, length = key
-        shape = self.src_shapes[(stage, name)]
-        return length * (1 if len(shape) == 1 else shape[1 - axis])
+        return span_numel(self.src_shapes, key)
 
     def _span(self, key) -> torch.Tensor:
         name, _, axis, start, length = key
@@ -455,27 +508,17 @@ class WeightSync:
             self.buckets, _ = self._schedule(*self._schedule_args)
         targets = self._validate()
         stats = SyncStats()
+
+        def fill(index, b, target, staged_bytes):
+            self._run_bucket(index, b, target, stats, staged_bytes=staged_bytes)
+
         with torch.no_grad():
+            _write_engine(self.engine, self.mine, self.buckets, fill, targets, self.dtype, self.device)
             if targets is not None:
-                for index, b in enumerate(self.buckets):
-                    self._run_bucket(index, b, lambda i: targets[self.mine[i].name], stats, staged_bytes=0)
-                self.engine.weights_updated()
                 self._resident(stats, targets)
-            else:
-                self.engine.load_weights(self._staged(stats))
         stats.seconds = time.perf_counter() - start
         self.last = stats
         return stats
-
-    def _staged(self, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
-        """Engine tensors for the loader, one bucket at a time (the loader pulls; ranks advance together)."""
-        for index, b in enumerate(self.buckets):
-            # Rows a TP-sharded loader never reads (TensorPlan.complete False) stay uninitialised.
-            staged = {i: torch.empty(self.mine[i].shape, dtype=self.dtype, device=self.device) for i in b.tensors}
-            nbytes = sum(t.numel() * t.element_size() for t in staged.values())
-            self._run_bucket(index, b, staged.__getitem__, stats, staged_bytes=nbytes)
-            for i in b.tensors:
-                yield self.mine[i].name, staged.pop(i)
 
     def _run_bucket(
         self, index: int, b: _Bucket, target: Callable[[int], torch.Tensor], stats: SyncStats, staged_bytes: int
@@ -554,7 +597,7 @@ class WeightSync:
         want = {t.name: t.shape for t in self.mine if t.name not in self.aliased}
         missing, stale = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing:
-            problems.append(f"the {self.engine.kind} engine has no tensor {missing[:4]}")
+            problems.append(_missing(self.engine, missing))
         if stale:
             problems.append(f"engine tensors {stale[:4]} have no Megatron source and would stay stale")
         problems += [
@@ -728,14 +771,10 @@ class SplitWeightSync:
         self.placement, self.engine = placement, engine
         self.train_tp, self.train_pp, self.train_dp = layout
         self.rollout_tp = rollout_tp
-        self.params = {}
-        if model is not None:
-            while hasattr(model, "module"):
-                model = model.module
-            self.params = dict(model.named_parameters())
+        self.params = unwrap_params(model) if model is not None else {}
         te_spec = any(n.endswith("layer_norm_weight") for n in self.params)
-        kind = "hf" if engine is None or engine.param_targets() is None or engine.kind != "vllm" else "vllm"
-        self.plan = plan_reshard(args, self.train_tp, self.train_pp, rollout_tp, kind, te_spec)
+        written_in = "hf" if engine is None else plan_layout(engine)
+        self.plan = plan_reshard(args, self.train_tp, self.train_pp, rollout_tp, written_in, te_spec)
         self.src_shapes = {(stage, name): shape for stage, name, shape in self.plan.sources}
         self.dtype = dtype or (next(iter(self.params.values())).dtype if self.params else torch.float32)
         self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
@@ -747,13 +786,8 @@ class SplitWeightSync:
         """trainers: (dp, tp, pp) -> global rank. Routes of every rollout rank, kept for this rank."""
         pl, me = self.placement, self.placement.rank
         elem = torch.empty((), dtype=self.dtype).element_size()
-        of_group, size, index = [], 0, 0
-        for numel in self.plan.group_numel:
-            if size and size + numel * elem > bucket_bytes:
-                index, size = index + 1, 0
-            of_group.append(index)
-            size += numel * elem
-        buckets = [_SplitBucket({}, {}, [], []) for _ in range(index + 1)]
+        of_group = bucket_of_groups(self.plan.group_numel, elem, bucket_bytes)
+        buckets = [_SplitBucket({}, {}, [], []) for _ in range(of_group[-1] + 1 if of_group else 1)]
         used, total = {}, 0
         for reader in pl.rollout_ranks:
             replica, j = divmod(reader - pl.num_train, self.rollout_tp)
@@ -779,9 +813,7 @@ class SplitWeightSync:
         return buckets, total
 
     def _numel(self, key) -> int:
-        name, stage, axis, _, length = key
-        shape = self.src_shapes[(stage, name)]
-        return length * (1 if len(shape) == 1 else shape[1 - axis])
+        return span_numel(self.src_shapes, key)
 
     def sync(self) -> SyncStats:
         """Send (training rank) or receive and write (rollout rank) every bucket; stats of the whole sync."""
@@ -820,20 +852,12 @@ class SplitWeightSync:
         if targets is not None:
             missing = sorted({t.name for t in mine} - set(targets))
             if missing:
-                raise ValueError(f"weight sync: the {self.engine.kind} engine has no tensor {missing[:4]}")
-            for b in self.buckets:
-                self._receive(b, lambda i: targets[mine[i].name], stats)
-            self.engine.weights_updated()
-            return
+                raise ValueError(f"weight sync: {_missing(self.engine, missing)}")
 
-        def staged():
-            for b in self.buckets:
-                out = {i: torch.empty(mine[i].shape, dtype=self.dtype) for i in b.tensors}
-                self._receive(b, out.__getitem__, stats)
-                for i in b.tensors:
-                    yield mine[i].name, out.pop(i)
+        def fill(index, b, target, staged_bytes):
+            self._receive(b, target, stats)
 
-        self.engine.load_weights(staged())
+        _write_engine(self.engine, mine, self.buckets, fill, targets, self.dtype, self.device)
 
     def _receive(self, b: _SplitBucket, target: Callable[[int], torch.Tensor], stats: SyncStats) -> None:
         import torch.distributed as dist

@@ -10,79 +10,68 @@ log = logging.getLogger("rlstack")
 
 
 def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml: str = "", overwrite=None) -> int:
-    """`overwrite` (rank 0: rlstack.run_dir's guard) sets an earlier run aside once the run starts and
+    """Every rank's run, colocated or split: a rollout-only rank serves its engine, the others train.
+    `overwrite` (rank 0: rlstack.run_dir's guard) sets an earlier run aside once the run starts and
     is told when the first checkpoint is saved; None on other ranks."""
     import torch
 
     from megatron_bridge import patches
-    from megatron_bridge.parallel import destroy_distributed, init_distributed
+    from megatron_bridge.parallel import destroy_distributed
     from rlstack import host_memory
 
     # the one start-up call that checks megatron-core's version and patches it (megatron_bridge/patches)
     patches.apply(cfg.parallel.allow_untested_megatron, "parallel.allow_untested_megatron=true")
     _set_threads(cfg.parallel.threads_per_rank)
     host_memory.configure_allocator(cfg.parallel.host_mmap_threshold_kb)
-    p = cfg.parallel
-    if cfg.placement.rollout_ranks > 0:
-        return _run_split(cfg, dry_run, profile, config_yaml, overwrite)
-    groups = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
+    groups, placement = _init_distributed(cfg)
     _seed_all(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
+    health = placement.health if placement is not None else _health_group(cfg)
+    rank = placement.rank if placement is not None else groups.rank
     trainer = trackers = None
-    health = _health_group(cfg)
+    ok = False
     try:
-        trainer, trackers = _start(cfg, groups, overwrite)
-        _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
-        _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
+        if placement is not None and placement.is_rollout:
+            _serve_rollout(cfg, placement)
+        else:
+            trainer, trackers = _start(cfg, groups, overwrite, placement)
+            _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
+            _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
+        ok = True
     except Exception as e:
         if _is_collective_timeout(e):
-            raise _stalled_ranks_error(e, health, cfg, groups.rank) from e
+            raise _stalled_ranks_error(e, health, cfg, rank) from e
         raise
     finally:
         if trackers is not None:
             trackers.close()
         if trainer is not None:
-            trainer.engine.close()
+            trainer.source.close(ok)  # the engine, or the rollout ranks' serving loop (only when ok)
         destroy_distributed()
     return 0
 
 
-def _run_split(cfg, dry_run: bool, profile: bool, config_yaml: str, overwrite=None) -> int:
-    """Split placement (rlstack/placement.py): rollout ranks serve requests, training ranks run the loop."""
-    import torch
-
-    from megatron_bridge.parallel import destroy_distributed, init_split_distributed, rollout_device
-    from rlstack.placement import run_rollout_rank
+def _init_distributed(cfg):
+    """(ParallelGroups of the training ranks or None on a rollout rank, SplitPlacement or None)."""
+    from megatron_bridge.parallel import init_distributed, init_split_distributed
 
     p = cfg.parallel
-    groups, placement = init_split_distributed(
-        p.tp, p.pp, p.dp, cfg.placement.rollout_ranks, p.backend, _timeout(cfg), seed=cfg.trainer.seed
-    )
-    _seed_all(cfg.trainer.seed)
-    if cfg.trainer.deterministic:
-        torch.use_deterministic_algorithms(True)
-    trainer = trackers = None
-    try:
-        if placement.is_rollout:
-            from rlstack.observability.logging import setup_logging
+    if cfg.placement.rollout_ranks > 0:
+        return init_split_distributed(
+            p.tp, p.pp, p.dp, cfg.placement.rollout_ranks, p.backend, _timeout(cfg), seed=cfg.trainer.seed
+        )
+    return init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep), None
 
-            setup_logging(cfg.trainer.output_dir, placement.rank, cfg.logging.level)
-            run_rollout_rank(cfg, placement, rollout_device(p.backend, int(os.environ.get("LOCAL_RANK", "0"))))
-            return 0
-        trainer, trackers = _start(cfg, groups, overwrite, placement)
-        _seed_all(cfg.trainer.seed)
-        _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
-        trainer.split.stop()
-    except Exception as e:
-        if _is_collective_timeout(e):
-            raise _stalled_ranks_error(e, placement.health, cfg, placement.rank) from e
-        raise
-    finally:
-        if trackers is not None:
-            trackers.close()
-        destroy_distributed()
-    return 0
+
+def _serve_rollout(cfg, placement) -> None:
+    """A rollout-only rank (split placement, rlstack/placement.py): serve requests until told to stop."""
+    from megatron_bridge.parallel import rollout_device
+    from rlstack.observability.logging import setup_logging
+    from rlstack.placement import run_rollout_rank
+
+    setup_logging(cfg.trainer.output_dir, placement.rank, cfg.logging.level)
+    run_rollout_rank(cfg, placement, rollout_device(cfg.parallel.backend, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _health_group(cfg):

@@ -28,8 +28,11 @@ def check_layout(cfg, world_size: int, model_config_file=None) -> ParallelDims:
     With split placement the training layout is checked against the training ranks alone
     (world - placement.rollout_ranks): the returned dims are the training ranks' own.
     """
-    p = cfg.parallel
+    from rlstack.rollout.base import check_rollout
+
+    p, k = cfg.parallel, cfg.placement.rollout_ranks
     check_placement(cfg, world_size)
+    check_rollout(cfg.rollout, k or world_size, split=k > 0)  # against the ranks that host engines
     dims = ParallelDims.resolve(p.tp, p.pp, p.dp, world_size - cfg.placement.rollout_ranks, ep=p.ep)
     args = model_args_from_config(cfg.model, model_config_file)
     if args is not None:
@@ -66,11 +69,6 @@ def check_placement(cfg, world_size: int) -> None:
         raise UserError(
             f"placement.rollout_ranks={k} leaves {train} training ranks, not divisible by parallel.tp * "
             f"parallel.pp = {p.tp}*{p.pp}: choose placement.rollout_ranks from {fits} or change parallel.tp/pp"
-        )
-    if k % r.tp:
-        raise UserError(
-            f"rollout.tp={r.tp} does not divide placement.rollout_ranks={k}: each rollout engine spans "
-            f"rollout.tp rollout ranks; make placement.rollout_ranks a multiple of rollout.tp"
         )
     if p.ep > 1:
         raise UserError(

@@ -15,7 +15,7 @@ requests batch t+1 with weights t right before training on batch t and receives 
 update, so generation and training overlap and every batch is one step stale (the first is not).
 
 A request with `stream=True` is handed over micro-batch by micro-batch (`stream_rounds` all-gathers),
-so the training ranks score each part as it arrives (Trainer._stream_batch).
+so the training ranks score each part as it arrives (rlstack.step.split.SplitSource._stream).
 
 Left out: vLLM engines (in-process vLLM builds its groups collectively over every rank) and
 rollout.verify_sync.

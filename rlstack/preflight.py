@@ -1,10 +1,13 @@
 """Everything a run needs, checked before any process group, model or engine starts.
 
 `python -m rlstack.train --validate-only` and every real run call the same `preflight`, so both
-give the same one-line messages: the parallel layout, the model directory (config.json and
-tokenizer files), the data files (exist, parse, first rows valid), the reward file and function,
-and the output directory (writable, and not holding an earlier run unless resumed or overwritten).
-Reads only; torch-free. Checking a config for another machine (`--validate-only --model-config`),
+give the same one-line messages: every config value check that needs no loaded model (the config
+tree's own, `rlstack.config.check_values`, again: a tree built or changed in code gets them too;
+the parallel layout and the rollout settings against the ranks, `rlstack.parallel.check_layout`),
+the model directory (config.json and tokenizer files), the data files (exist, parse, first rows
+valid; a synthetic set holds a batch), the reward file and function, and the output directory
+(writable, and not holding an earlier run unless resumed or overwritten). Reads only; torch-free.
+tests/unit/test_preflight_values.py runs it over a table of bad values. Checking a config for another machine (`--validate-only --model-config`),
 a model directory or data file that is not here is a warning, not an error: the model's shape comes
 from the given config.json.
 """
@@ -35,8 +38,10 @@ def preflight(cfg, world_size: int, model_config_file=None) -> Preflight:
     With `model_config_file` (--model-config: the config is checked for another machine) a model
     directory or data file missing here is a warning."""
     from rlstack import host_memory
+    from rlstack.config import check_values
     from rlstack.parallel import check_layout
 
+    check_values(cfg)
     elsewhere = bool(model_config_file)
     for key in ("model.path", "model.critic_path", "reward_model.path"):
         if elsewhere and _absent_here(_get(cfg, key), key):
@@ -226,6 +231,14 @@ def check_data(cfg, missing_ok: bool = False) -> list:
             for index, item in enumerate(rows[:FIRST_ROWS]):
                 sources.add(validate_row(item, f"data file {path} row {index}", d.prompt_key)["data_source"])
     if not d.train_files and d.synthetic:
+        # (files: the sampler counts the prompts kept after data.truncation, when the run loads them)
+        if d.synthetic_train_size < 1:
+            raise UserError("the synthetic training set is empty: set data.synthetic_train_size >= 1")
+        if d.synthetic_train_size < d.train_batch_size:
+            raise UserError(
+                f"data.synthetic_train_size={d.synthetic_train_size} prompts are fewer than "
+                f"data.train_batch_size={d.train_batch_size}: lower data.train_batch_size or raise data.synthetic_train_size"
+            )
         sources.update(
             row["data_source"] for row in make_rows(d.synthetic, 1, d.seed, "train", d.synthetic_max_operand)
         )

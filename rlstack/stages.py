@@ -7,7 +7,7 @@ measure the same code. Inputs are passed in (engine, groups, configs); nothing r
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from rlstack.observability.progress import progress
 from rlstack.workers.batch import Rollout, gather_objects, split_for_rank
@@ -15,6 +15,8 @@ from rlstack.workers.batch import Rollout, gather_objects, split_for_rank
 if TYPE_CHECKING:
     from megatron_bridge.parallel import ParallelGroups
     from rlstack.config import RolloutConfig
+    from rlstack.data.dataset import PromptDataset
+    from rlstack.data.sampler import PromptSampler
     from rlstack.rollout.base import Generation, RolloutEngine
 
 SEED_STRIDE = 7919  # sampling seed of step s: rollout.seed + SEED_STRIDE * s (resume is exact)
@@ -29,8 +31,19 @@ def load_tokenizer(hf_dir: str):
     return tok
 
 
-def build_data(cfg, groups: ParallelGroups):
-    """(hf_dir, tokenizer, train set, val set, sampler) of the config, as the trainer and the benchmarks use them."""
+@dataclasses.dataclass
+class RunData:
+    """The model directory, tokenizer, prompts and sampler of a run (`build_data`)."""
+
+    hf_dir: str  # the actor's HF checkpoint directory (model.path resolved)
+    tokenizer: Any  # a transformers tokenizer (pad token set)
+    train_set: PromptDataset
+    val_set: Optional[PromptDataset]
+    sampler: PromptSampler
+
+
+def build_data(cfg, groups: ParallelGroups) -> RunData:
+    """The config's model directory, tokenizer, datasets and sampler, as the trainer and the benchmarks use them."""
     from megatron_bridge.hf import resolve_model_path
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
@@ -47,7 +60,7 @@ def build_data(cfg, groups: ParallelGroups):
         dp_rank=groups.dp_rank,
         dp_size=groups.dims.dp,
     )
-    return hf_dir, tokenizer, train_set, val_set, sampler
+    return RunData(hf_dir, tokenizer, train_set, val_set, sampler)
 
 
 def sampling_params(cfg: RolloutConfig, step: int, greedy: bool):

@@ -26,30 +26,44 @@ def build_engine(
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
     """
-    from rlstack.rollout.sync_check import check_settings
-
-    check_settings(rollout_cfg)
-    if rollout_cfg.engine not in ENGINES:
-        raise UserError(f"rollout.engine={rollout_cfg.engine!r} is unknown: use one of {', '.join(ENGINES)}")
-    if groups.dims.world_size % rollout_cfg.tp:
-        raise UserError(
-            f"rollout.tp={rollout_cfg.tp} must divide the world size {groups.dims.world_size}: "
-            f"choose rollout.tp from the divisors of the number of processes"
-        )
+    check_rollout(rollout_cfg, groups.dims.world_size)  # (preflight ran it on the run's ranks already)
     if rollout_cfg.engine == "hf":
         from rlstack.rollout.zero_copy import AliasingHFEngine
 
-        if rollout_cfg.tp != 1:
-            raise UserError(
-                f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 "
-                f"(got {rollout_cfg.tp}) or use rollout.engine=vllm"
-            )
         return AliasingHFEngine(
             hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups)
         )
     from rlstack.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups))
+
+
+def check_rollout(rollout_cfg: RolloutConfig, engine_ranks: int, split: bool = False) -> None:
+    """The rollout settings that need no model, against the `engine_ranks` ranks hosting engines
+    (every rank colocated; `split`: the placement.rollout_ranks rollout-only ranks). Preflight runs
+    it (rlstack.parallel.check_layout), and so does `build_engine` for tools that skip preflight."""
+    from rlstack.rollout.sync_check import check_settings
+
+    r = rollout_cfg
+    check_settings(r)
+    if r.engine not in ENGINES:
+        raise UserError(f"rollout.engine={r.engine!r} is unknown: use one of {', '.join(ENGINES)}")
+    if engine_ranks % r.tp and split:
+        raise UserError(
+            f"rollout.tp={r.tp} does not divide placement.rollout_ranks={engine_ranks}: each rollout engine spans "
+            f"rollout.tp rollout ranks; make placement.rollout_ranks a multiple of rollout.tp"
+        )
+    if engine_ranks % r.tp:
+        raise UserError(
+            f"rollout.tp={r.tp} must divide the world size {engine_ranks}: "
+            f"choose rollout.tp from the divisors of the number of processes"
+        )
+    if r.engine == "hf" and r.tp != 1:
+        raise UserError(
+            f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 (got {r.tp}) or use rollout.engine=vllm"
+        )
+    if r.top_k == 0 or r.top_k < -1:  # SamplingParams.validate would stop the first rollout
+        raise UserError(f"rollout.top_k={r.top_k}: use -1 (off) or a positive count")
 
 
 def rollout_seed(rollout_cfg: RolloutConfig, groups: ParallelGroups) -> int:

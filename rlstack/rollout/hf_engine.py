@@ -195,7 +195,7 @@ class _Counters:
 
 
 class HFEngine(RolloutEngine):
-    kind = "hf"
+    target_layout = "hf"  # param_targets(): HF checkpoint names and shapes
 
     def __init__(self, hf_dir: str, rollout_cfg, device, eos_token_id: int, pad_token_id: int, seed: int = 0):
         from transformers import AutoModelForCausalLM

@@ -64,9 +64,13 @@ class Generation:
 
 
 class RolloutEngine(ABC):
-    """One rollout engine per rank. `tp_size`/`tp_rank` are its rollout tensor-parallel position."""
+    """One rollout engine per rank. `tp_size`/`tp_rank` are its rollout tensor-parallel position.
 
-    kind: str = "base"
+    It implements the bridge's `megatron_bridge.sync_target.SyncTarget` (what the weight sync writes
+    into: `param_targets`, `load_weights`, `expected_shapes`, `weights_updated`, `alias_weights`,
+    `target_layout`), plus generation and its counters."""
+
+    target_layout: str  # megatron_bridge.sync_target.SyncTarget: names of param_targets(); each engine sets it
     tp_size: int = 1
     tp_rank: int = 0
 

@@ -38,7 +38,7 @@ _CPU_KV_CACHE_MIN = 32 << 20
 
 
 class VLLMEngine(RolloutEngine):
-    kind = "vllm"
+    target_layout = "vllm"  # param_targets(): vLLM's merged, padded, TP-sharded parameters
 
     def __init__(
         self,

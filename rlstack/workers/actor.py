@@ -15,7 +15,7 @@ from rlstack.algorithms.names import loss_params
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens, fused_output_logprobs, shift_targets, vocab_parallel_logprobs
-from rlstack.workers.megatron_role import MegatronRole
+from rlstack.workers.megatron_role import MegatronRole, UpdateResult
 
 
 def token_logprobs(
@@ -102,7 +102,7 @@ class Actor:
         self.algo = algo
         self.temperature = temperature
 
-    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> dict:
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> UpdateResult:
         """One optimizer step on a mini-batch (or, with forward_only, the same maths with no step).
 
         `counts` are the mini-batch's global token/sequence counts (all DP ranks); each micro-batch
@@ -162,7 +162,7 @@ class Actor:
         mbs = self.role.micro_batches(mini.tensors(*ACTOR_FIELDS), micro_batch_size, mini.needed_lengths()).batches
         scale = self.role.loss_scale(len(mbs))
         if forward_only:
-            return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
+            return UpdateResult(self.role.run(mbs, loss_fn, forward_only=True), 0.0)
         moe = self.role.args.moe
         if moe is not None:
             from megatron_bridge.moe import clear_aux_losses
@@ -171,7 +171,7 @@ class Actor:
         stats, grad_norm = self.role.train_step(mbs, loss_fn)
         if moe is not None:
             stats = stats + _moe_stats(stats, len(mbs), moe.aux_loss_coeff, self.role.groups.dims.dp)
-        return {"stats": stats, "grad_norm": grad_norm}
+        return UpdateResult(stats, grad_norm)
 
 
 def _moe_stats(stats: list, num_micro: int, coeff: float, dp: int) -> list:

@@ -8,7 +8,7 @@ from rlstack.algorithms import value_loss
 from rlstack.config import AlgorithmConfig
 from rlstack.workers.batch import Rollout
 from rlstack.workers.logprobs import align_to_tokens
-from rlstack.workers.megatron_role import MegatronRole
+from rlstack.workers.megatron_role import MegatronRole, UpdateResult
 
 
 def _values(output: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ class Critic:
         out = mbs.rows(stats, "values") if self.role.groups.is_last_stage else None
         return self.role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
 
-    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> dict:
+    def update(self, mini: Rollout, counts: dict, micro_batch_size: int, forward_only: bool = False) -> UpdateResult:
         a = self.algo
 
         def loss_fn(mb, output):
@@ -50,6 +50,6 @@ class Critic:
         mbs = self.role.micro_batches(fields, micro_batch_size, mini.needed_lengths()).batches
         scale = self.role.loss_scale(len(mbs))
         if forward_only:
-            return {"stats": self.role.run(mbs, loss_fn, forward_only=True), "grad_norm": 0.0}
+            return UpdateResult(self.role.run(mbs, loss_fn, forward_only=True), 0.0)
         stats, grad_norm = self.role.train_step(mbs, loss_fn)
-        return {"stats": stats, "grad_norm": grad_norm}
+        return UpdateResult(stats, grad_norm)

@@ -22,6 +22,14 @@ from rlstack.workers.packing import SEQ_LENS, PackedRows
 
 
 @dataclass
+class UpdateResult:
+    """One optimizer step of a role on a mini-batch (`Actor.update`, `Critic.update`)."""
+
+    stats: list[dict]  # loss statistics of each micro-batch (last pipeline stage; empty on the others)
+    grad_norm: float  # the global gradient norm before clipping (0.0 with forward_only)
+
+
+@dataclass
 class OptimSettings:
     lr: float
     weight_decay: float = 0.0

@@ -57,7 +57,7 @@ def _run(hf_dir: str, groups, cut: bool, max_tokens: int = 0):
         name: torch.cat([p.detach().flatten() for p in role.module.parameters()])
         for name, role in (("actor", actor_role), ("critic", critic_role))
     }
-    loss = sum(float(s["actor/pg_loss"]) for s in out["stats"])
+    loss = sum(float(s["actor/pg_loss"]) for s in out.stats)
     return {"logprob": logprob, "values": values, "weights": weights, "loss": loss, "shapes": shapes}
 
 
@@ -119,7 +119,7 @@ def _response_only(hf_dir: str):
             rows = sum(rows_seen)
             counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 8.0}
             actor = actor_mod.Actor(role, AlgorithmConfig(use_kl_loss=False, entropy_coeff=0.01), temperature=0.7)
-            stats = actor.update(rollout, counts, 2)["stats"]
+            stats = actor.update(rollout, counts, 2).stats
             out[fused, only_response] = {
                 "logprob": logprob,
                 "mask": rollout.resp_mask > 0,

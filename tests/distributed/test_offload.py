@@ -85,22 +85,26 @@ def _run(overrides, out_dir, cache):
     torch.manual_seed(0)
     _, trainer = _trainer(["algorithm.name=ppo", "trainer.seed=3", *overrides], out_dir, cache)
     seen = []
-    generate = trainer.generate
+    generate = trainer.source.generate
 
     def spy(*args, **kwargs):  # during the rollout: what has left the storages (Adam's from step 2)
         role = trainer.actor.role
         actor_param = next(role.module.parameters())
         adam = [v for s in role.optimizer.chained_optimizers[0].optimizer.state.values() for v in s.values()]
         adam_bytes = sum(v.untyped_storage().nbytes() for v in adam if torch.is_tensor(v) and v.numel() > 1)
-        seen.append((trainer.offload.offloaded_bytes(), actor_param.untyped_storage().nbytes(), len(adam), adam_bytes))
+        seen.append(
+            (trainer.phases.offload.offloaded_bytes(), actor_param.untyped_storage().nbytes(), len(adam), adam_bytes)
+        )
         return generate(*args, **kwargs)
 
-    trainer.generate = spy
+    trainer.source.generate = spy
     metrics = []
     for _ in range(2):
         m = trainer.train_step()
         metrics.append({k: v for k, v in m.items() if not k.startswith(VOLATILE)})
-    assert all(group.copy.resident for group in trainer.offload.groups)  # the trained roles' states, at the step's end
+    assert all(
+        group.copy.resident for group in trainer.phases.offload.groups
+    )  # the trained roles' states, at the step's end
     state = _state(trainer)
     trainer.engine.close()
     return metrics, state, seen

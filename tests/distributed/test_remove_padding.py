@@ -51,8 +51,8 @@ def _run(hf_dir: str, groups, packed: bool, fused: bool):
         "logprob": logprob,
         "values": values,
         "weights": weights,
-        "loss": sum(float(s["actor/loss"]) for s in out["stats"]),
-        "critic_loss": sum(float(s["critic/loss"]) for s in critic_out["stats"]),
+        "loss": sum(float(s["actor/loss"]) for s in out.stats),
+        "critic_loss": sum(float(s["critic/loss"]) for s in critic_out.stats),
         "seen": seen,
         "needed": rollout.needed_lengths().tolist(),
     }

@@ -63,7 +63,7 @@ def test_streamed_parts_land_in_their_rows():
 
     import torch
 
-    from rlstack.trainer import _fill_from_parts
+    from rlstack.step.split import fill_from_parts as _fill_from_parts
 
     gens = [object() for _ in range(3)]
     part_a = SimpleNamespace(old_logprob=torch.tensor([[1.0, 2.0]]), ref_logprob=None, old_values=None)

@@ -1,0 +1,167 @@
+"""Split-placement rollout source: rollout-only ranks generate (rlstack/placement.py, docs/placement.md).
+
+staleness 0: request batch t with weights t, wait, train. Without a reward model the batch is
+streamed: each rollout micro-batch is scored (rewards and score forwards) while the rollout ranks
+generate the next one. staleness 1: batch t was generated during step t-1 with weights t-1 (kept
+as `pending`, and in checkpoints); batch t+1 is requested with weights t before the update and
+received after it (`after_update`), so generation and training overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from rlstack import stages
+from rlstack.step import StepBatch
+from rlstack.step.scoring import Scores
+
+
+class SplitSource:
+    """`RolloutSource` (rlstack/step/__init__.py) over a `rlstack.placement.RolloutClient`."""
+
+    def __init__(self, cfg, groups, client, train_set, sampler, tokenizer, scoring, forwards):
+        self.cfg, self.groups, self.client = cfg, groups, client
+        self.train_set, self.sampler, self.tokenizer = train_set, sampler, tokenizer
+        self.scoring, self.forwards = scoring, forwards
+        self.pending = None  # staleness 1: (prompt indices, RolloutBatch) of the next step
+        self._ahead = None  # prompt indices requested ahead during this step
+        self._waited = 0.0  # seconds this step waited for the rollout ranks so far
+
+    def next_batch(self, step: int) -> StepBatch:
+        from megatron_bridge.reshard import SyncStats
+        from rlstack.placement import RolloutRequest
+
+        cfg, g = self.cfg, self.groups
+        t0, self._waited = time.perf_counter(), 0.0
+        sync = streamed = None
+        if self.pending is None and self.scoring.reward_model is None:  # score each micro-batch as it arrives
+            indices = self.sampler.next_global_batch()
+            batch, sync, waited, streamed = self._stream(indices, step)
+            self.pending, self._waited = (indices, batch), self._waited + waited
+        elif self.pending is None:  # a reward model normalises over the whole batch: no streaming
+            indices = self.sampler.next_global_batch()
+            prompts = [self.train_set[i] for i in indices]
+            batch, waited, sync = self.client.generate(prompts, step, step, greedy=False)
+            self.pending, self._waited = (indices, batch), self._waited + waited
+        indices, batch = self.pending
+        self.pending = self._ahead = None
+        if cfg.rollout.staleness == 1 and step + 1 < cfg.trainer.total_steps:
+            self._ahead = self.sampler.next_global_batch()  # generated with these weights while this step trains
+            ids = [list(self.train_set[i].input_ids) for i in self._ahead]
+            sync = self.client.request(RolloutRequest("generate", ids, step + 1, step))
+        timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
+        if streamed is not None:
+            prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
+            timings["timing/sync_s"] = sync.seconds
+        else:
+            timings["timing/sync_s"] = time.perf_counter() - t0 - self._waited
+            global_prompts = [self.train_set[i] for i in indices]
+            prompts, gens = stages.dp_share(global_prompts, batch.gens, g, cfg.trainer.balance_batch)
+            t0 = time.perf_counter()
+            scores = self.scoring.score(prompts, gens)
+            rollout = self._build_rollout(prompts, gens, scores.values)
+            timings["timing/score_s"] = time.perf_counter() - t0
+        timings["timing/trainer_wait_rollout"] = self._waited
+        metrics = {
+            "rollout/staleness": float(step - batch.version),
+            "timing/rollout_wait_weights": batch.wait_weights_s,
+        }
+        # staleness 1, last step: nothing generated ahead, no weights sent
+        return StepBatch(prompts, gens, scores, rollout, sync or SyncStats(), batch.tokens, timings, metrics)
+
+    def after_update(self, step: int) -> dict:
+        if self._ahead is None:
+            return {}
+        next_batch, waited = self.client.receive()
+        self.pending, self._ahead = (self._ahead, next_batch), None
+        self._waited += waited
+        return {"timing/trainer_wait_rollout": self._waited}
+
+    def generate(self, prompts: list, step: int, greedy: bool):
+        """The rollout ranks generate, with the current weights."""
+        batch, _, _ = self.client.generate(prompts, step, step, greedy)
+        return batch.gens, batch.tokens
+
+    def state_dict(self) -> dict:
+        """The batch generated ahead (with the previous weights) is saved, so a resumed run trains on
+        exactly the batch the uninterrupted one would have."""
+        from rlstack.placement import pending_state
+
+        return {"pending": pending_state(self.pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        from rlstack.placement import pending_from_state
+
+        self.pending = pending_from_state(state.get("pending"))
+
+    def close(self, ok: bool) -> None:
+        if ok:  # after an error a training rank may not answer: the launcher stops the rollout ranks
+            self.client.stop()
+
+    def _build_rollout(self, prompts: list, gens: list, scores: list):
+        pad, mbs = self.tokenizer.pad_token_id, self.cfg.algorithm.micro_batch_size
+        return stages.build_rollout(prompts, gens, scores, pad, mbs, self.groups.device, on_policy=False)
+
+    def _stream(self, indices: list, step: int):
+        """The synchronous batch scored part by part: rewards, old/reference log-probs and values of
+        each rollout micro-batch while the rollout ranks generate the next one.
+
+        Returns (RolloutBatch, SyncStats, seconds waited, (prompts, gens, Scores, Rollout, score seconds)).
+        Every row's forwards are those of the whole-batch path (right padding: a row's positions do
+        not depend on the batch's width).
+        """
+        from rlstack.placement import RolloutRequest
+        from rlstack.workers.batch import split_for_rank
+
+        g = self.groups
+        global_prompts = [self.train_set[i] for i in indices]
+        share = split_for_rank(list(range(len(indices))), g.dp_rank, g.dims.dp)
+        first, in_share = (share[0] if share else 0), set(share)
+        prompts = [global_prompts[i] for i in share]
+        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step)
+        every, parts, results, busy = [], [], [], 0.0
+        for chunk in self.client.stream(req):
+            t0 = time.perf_counter()
+            every += chunk
+            mine = [
+                dataclasses.replace(x, prompt_index=x.prompt_index - first) for x in chunk if x.prompt_index in in_share
+            ]
+            if mine:
+                scores = self.scoring.score(prompts, mine)
+                results += scores.results
+                part = self._build_rollout(prompts, mine, scores.values)
+                self.forwards.fill(part)
+                parts.append((mine, scores.values, part))
+            busy += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta, sync, waited = self.client.last_stream
+        rows = sorted(
+            ((x, sc) for mine, values, _ in parts for x, sc in zip(mine, values)), key=lambda r: r[0].prompt_index
+        )
+        gens, values = [x for x, _ in rows], [sc for _, sc in rows]
+        rollout = self._build_rollout(prompts, gens, values)
+        fill_from_parts(rollout, gens, parts)
+        batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
+        scores = Scores(values, results)  # results in arrival order (reward_extra/* sums them)
+        return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
+
+
+def fill_from_parts(rollout, gens: list, parts: list) -> None:
+    """Copy each streamed part's per-row forwards into the whole batch's rows (`gens` order).
+
+    A part's tensors are [b, S_part] with S_part <= S: columns past S_part are padding (zero).
+    """
+    row_of = {id(x): r for r, x in enumerate(gens)}
+    for name in ("old_logprob", "ref_logprob", "old_values"):
+        if not parts or getattr(parts[0][2], name) is None:
+            continue
+        like = getattr(parts[0][2], name)
+        full = torch.zeros(rollout.tokens.shape, dtype=like.dtype, device=like.device)  # [B', S]
+        for mine, _, part in parts:
+            values = getattr(part, name)  # [b, S_part]
+            for k, x in enumerate(mine):
+                full[row_of[id(x)], : values.shape[1]] = values[k]
+        setattr(rollout, name, full)
