@@ -226,6 +226,7 @@ def test_target_bounds_are_issue_15s():
         "step_time_vs_trl": ("<=", 0.6),
         "rollout_decode_fraction": (">=", 0.6),
         "step_floor_fraction": (">=", 0.7),
+        "step_roofline_fraction": (">=", 0.8),  # issue 40's
         "sync_bytes": ("<=", 0),
     }
 
