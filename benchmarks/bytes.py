@@ -28,6 +28,8 @@ Conventions (docs/benchmarks.md, "Byte floor", has the derivation and SmolLM2's 
   model) are such a tensor: forward written and read (2), training backward adds the softmax's read,
   the logits' gradient written and read by the head's two matmuls (4): 6 per trained position.
   Sampling writes and reads each generated token's logits (2).
+- The rollout engine holds its weights, KV cache and activations in its own dtype (the hf engine:
+  fp32 on CPU, bf16 on GPU), whatever the actor's.
 - KV cache in decode: each new token writes its K and V (2 x layers x kv_heads x head_dim x e) and
   reads those of every earlier position of its sequence, counted by the FLOP model's causal pairs;
   a prompt's prefill writes its K and V once per prompt.
@@ -43,8 +45,9 @@ Conventions (docs/benchmarks.md, "Byte floor", has the derivation and SmolLM2's 
   it on each rank (a ring), each byte read by its sender and written by its receiver: 2 (dp-1) B
   over the dp ranks. Grads (fp32) are reduce-scattered and the updated params (dtype e)
   all-gathered with the distributed optimizer; without it the grads are all-reduced (both halves).
-- Weight sync: 0 where the engine's layout is the actor's (its tensors are views); elsewhere each
-  DP replica reads and writes every parameter once: 2 x dp x N x e.
+- Weight sync: 0 where the engine's layout and dtype are the actor's (its tensors are views);
+  elsewhere each DP replica reads every parameter once and writes the engine's copy once:
+  dp x N x (e + the engine's e).
 - N (trained parameters) counts what the optimizer holds: embedding (and an untied LM head), the
   linears, the norms (`trained_params`); the critic's replaces the LM head with a hidden x 1 value head.
 """
@@ -80,24 +83,28 @@ class Layout:
     micro_batch_size: int = 1  # sequences per training / log-prob micro-batch, per DP rank
     decode_rows: int = 1  # sequences the engine decodes at once, per DP rank
     param_bytes: int = FP32  # the model's element size: 4 fp32, 2 bf16
+    engine_param_bytes: int = FP32  # the rollout engine's (the hf engine: fp32 on CPU, bf16 on GPU)
     distributed_optimizer: bool = True
     tied_embeddings: bool = True
-    layouts_agree: bool = True  # the engine holds the actor's own tensors: the sync moves nothing
+    layouts_agree: bool = True  # the engine holds the actor's own tensors (same split, same dtype): no sync bytes
 
     @classmethod
     def from_setup(cls, setup: dict, model: dict) -> Layout:
         """From benchmarks/run.py's setup and model_info (missing keys: one rank, fp32, no sharing)."""
         tp, pp = setup.get("tp", 1), setup.get("pp", 1)
+        param_bytes = FP32 if setup.get("dtype", "float32") == "float32" else 2
+        engine_bytes = FP32 if setup.get("device", "cpu") == "cpu" else 2  # rlstack/rollout/hf_engine.py
         return cls(
             dp=setup.get("dp", max(1, setup.get("nproc", 1) // (tp * pp))),
             tp=tp,
             pp=pp,
             micro_batch_size=setup.get("micro_batch_size", 1),
             decode_rows=setup.get("decode_rows_per_rank", 1),
-            param_bytes=FP32 if setup.get("dtype", "float32") == "float32" else 2,
+            param_bytes=param_bytes,
+            engine_param_bytes=engine_bytes,
             distributed_optimizer=setup.get("distributed_optimizer", False),
             tied_embeddings=model.get("tied_embeddings", True),
-            layouts_agree=setup.get("rollout_tp", 1) == tp and pp == 1,
+            layouts_agree=setup.get("rollout_tp", 1) == tp and pp == 1 and engine_bytes == param_bytes,
         )
 
 
@@ -115,9 +122,9 @@ def critic_params(dims: ModelDims) -> int:
     return trained_params(dims, tied=True) + dims.hidden
 
 
-def weight_bytes(params: int, layout: Layout) -> float:
-    """One pass of every DP replica over `params` weights."""
-    return float(layout.dp * params * layout.param_bytes)
+def weight_bytes(params: int, layout: Layout, elem: int = 0) -> float:
+    """One pass of every DP replica over `params` weights of `elem` bytes (default: the model's)."""
+    return float(layout.dp * params * (elem or layout.param_bytes))
 
 
 def activation_elems(dims: ModelDims, tp: int = 1) -> float:
@@ -128,8 +135,8 @@ def activation_elems(dims: ModelDims, tp: int = 1) -> float:
 
 
 def kv_token_bytes(dims: ModelDims, layout: Layout) -> float:
-    """K and V of one position, all layers (split over TP ranks, so the sum is the model's)."""
-    return float(2 * dims.layers * dims.kv_heads * dims.head_dim * layout.param_bytes)
+    """K and V of one position in the rollout engine, all layers (split over TP ranks: the sum is the model's)."""
+    return float(2 * dims.layers * dims.kv_heads * dims.head_dim * layout.engine_param_bytes)
 
 
 def micro_batches(shape: StepShape, layout: Layout) -> int:
@@ -143,12 +150,10 @@ def decode_batches(shape: StepShape, layout: Layout) -> int:
 
 def prefill_bytes(dims: ModelDims, shape: StepShape, layout: Layout) -> float:
     tokens = shape.num_prompts * shape.prompt_len  # once per prompt, as the FLOP floor
-    acts = tokens * activation_elems(dims, layout.tp) * layout.param_bytes
-    return (
-        decode_batches(shape, layout) * weight_bytes(dims.matmul_params, layout)
-        + acts
-        + tokens * kv_token_bytes(dims, layout)
-    )
+    e = layout.engine_param_bytes
+    acts = tokens * activation_elems(dims, layout.tp) * e
+    weights = decode_batches(shape, layout) * weight_bytes(dims.matmul_params, layout, e)
+    return weights + acts + tokens * kv_token_bytes(dims, layout)
 
 
 def decode_bytes(dims: ModelDims, shape: StepShape, layout: Layout) -> float:
@@ -156,9 +161,10 @@ def decode_bytes(dims: ModelDims, shape: StepShape, layout: Layout) -> float:
     tokens = shape.response_tokens
     kv_reads = shape.num_sequences * (_causal_pairs(shape.seq_len) - _causal_pairs(shape.prompt_len))
     kv = (kv_reads + tokens) * kv_token_bytes(dims, layout)  # each token reads its context, writes itself
-    acts = tokens * activation_elems(dims, layout.tp) * layout.param_bytes
+    e = layout.engine_param_bytes
+    acts = tokens * activation_elems(dims, layout.tp) * e
     logits = tokens * 2 * dims.vocab * LOGIT_BYTES
-    return steps * weight_bytes(dims.matmul_params, layout) + kv + acts + logits
+    return steps * weight_bytes(dims.matmul_params, layout, e) + kv + acts + logits
 
 
 def forward_bytes(dims: ModelDims, shape: StepShape, layout: Layout, params: int, logits: bool) -> float:
@@ -201,12 +207,20 @@ def param_collective_bytes(params: int, layout: Layout, steps: int) -> float:
     return steps * 2 * (layout.dp - 1) * params * layout.param_bytes
 
 
+def sync_bytes(params: int, layout: Layout) -> float:
+    """0 where the engine holds the actor's tensors; else each replica reads its params once and writes
+    the engine's copy once (in the engine's dtype)."""
+    if layout.layouts_agree:
+        return 0.0
+    return float(layout.dp * params * (layout.param_bytes + layout.engine_param_bytes))
+
+
 def step_bytes(dims: ModelDims, shape: StepShape, layout: Layout) -> dict[str, float]:
     """Bytes of each phase of one step over all ranks, and their total ("total")."""
     n = trained_params(dims, layout.tied_embeddings)
     steps = shape.ppo_epochs  # one optimizer step per epoch: the whole batch is one mini-batch
     out = {
-        "weight_sync": 0.0 if layout.layouts_agree else 2.0 * layout.dp * n * layout.param_bytes,
+        "weight_sync": sync_bytes(n, layout),
         "prefill": prefill_bytes(dims, shape, layout),
         "decode": decode_bytes(dims, shape, layout),
     }

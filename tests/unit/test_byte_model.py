@@ -66,7 +66,9 @@ def test_layout_changes_by_hand():
     layout = Layout(dp=2, micro_batch_size=2, decode_rows=2, param_bytes=2, distributed_optimizer=False)
     shape = StepShape(2, 2, 3, 2, ref_forward=False, old_logprob_forward=False)
     b = step_bytes(DIMS, shape, dataclasses.replace(layout, layouts_agree=False))
-    assert b["weight_sync"] == 2 * 2 * 196 * 2  # each replica reads and writes every bf16 parameter
+    # each replica reads its bf16 parameters and writes the fp32 engine's copy (the hf engine on CPU)
+    assert b["weight_sync"] == 2 * 196 * (2 + 4)
+    assert b["prefill"] == step_bytes(DIMS, shape, LAYOUT)["prefill"]  # the engine decodes in fp32 all the same
     assert "old_logprob" not in b and "ref_logprob" not in b
     # one micro-batch a rank: weights twice (bf16), grad buffer written once (fp32)
     assert b["actor_train"] == 2 * (2 * 184 * 2) + 1 * 2 * 196 * 4 + 3 * 20 * 80 * 2 + 8 * 6 * 40
@@ -164,3 +166,7 @@ def test_layout_from_the_bench_setup():
     layout = Layout.from_setup({**setup, "decode_rows_per_rank": 16}, {"tied_embeddings": False})
     assert (layout.dp, layout.tp, layout.param_bytes, layout.micro_batch_size, layout.decode_rows) == (2, 2, 2, 8, 16)
     assert not layout.layouts_agree and not layout.tied_embeddings and not layout.distributed_optimizer
+    assert layout.engine_param_bytes == 4  # the hf engine on CPU runs fp32
+    gpu = Layout.from_setup({"nproc": 1, "dtype": "bfloat16", "device": "cuda"}, {})
+    assert gpu.layouts_agree and gpu.engine_param_bytes == 2
+    assert not Layout.from_setup({"nproc": 1, "dtype": "float32", "device": "cuda"}, {}).layouts_agree
