@@ -244,9 +244,21 @@ def what_each_side_did(results: dict) -> list[str]:
         f"{trl.get('threads', '?')}), host allocator {s.get('host_allocator', 'glibc')} "
         f"(TRL: {trl.get('host_allocator', 'glibc')}). "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
-        "transformers' generate().",
+        "transformers' generate()." + _precision_note(s),
         "",
     ]
+
+
+def _precision_note(setup: dict) -> str:
+    """What bf16 means on each side (benchmarks/run.py --bf16); nothing for fp32."""
+    if setup.get("dtype", "float32") == "float32":
+        return ""
+    return (
+        f" Precision: {setup['dtype']} mixed precision on both sides. rlstack: megatron's bf16 weights and "
+        "activations, fp32 grads, fp32 main params and Adam moments; its hf rollout engine generates in fp32 on "
+        "CPU (the weight sync casts). TRL: weights loaded in bf16 (`model_init_kwargs`) and `bf16=True` (GRPOConfig's "
+        "default), its AdamW updating the bf16 weights (no fp32 copy)."
+    )
 
 
 def trl_table(results: dict, f: dict) -> list[str]:

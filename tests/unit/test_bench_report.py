@@ -450,3 +450,21 @@ def test_a_repeated_run_never_overwrites_saved_results(tmp_path):
     assert free_stem(stem) == stem + "-2"
     (tmp_path / "cfg-2026-12-01-2.md").write_text("")
     assert free_stem(stem) == stem + "-3"
+
+
+def test_bf16_row_is_said_and_kept_out_of_the_readme_tables():
+    from benchmarks.run import ROOT, parse_args, updates_readme, with_precision
+
+    assert with_precision(parse_args(["--config", "c.yaml", "a.b=1"])) == ["a.b=1"]  # fp32 stays the default
+    assert with_precision(parse_args(["--config", "c.yaml", "--bf16", "a.b=1"])) == ["a.b=1", "model.dtype=bfloat16"]
+    with pytest.raises(SystemExit, match="drop the model.dtype override"):
+        with_precision(parse_args(["--config", "c.yaml", "--bf16", "model.dtype=float32"]))
+    results_dir = os.path.join(ROOT, "benchmarks", "results")
+    assert updates_readme({"device": "cpu"}, results_dir)
+    assert not updates_readme({"device": "cpu", "bf16_row": True}, results_dir)
+    assert not updates_readme({"device": "cpu"}, "/tmp/elsewhere")
+    results = _results()
+    assert "Precision:" not in report.render_markdown(results, analysis.derive(results))
+    results["setup"]["dtype"] = "bfloat16"
+    text = report.render_markdown(results, analysis.derive(results))
+    assert "Both sides: m, bfloat16," in text and "Precision: bfloat16 mixed precision on both sides" in text
