@@ -508,7 +508,8 @@ def readme_section(results: dict, f: dict, results_dir: str, name: str = "") -> 
     return "\n".join(
         [
             f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "
-            f"({results['machine'].get('logical cores', '?')} cores), {results['date']}; {s['model_name']}, "
+            f"({results['machine'].get('logical cores', '?')} cores{_flags(results)}), {results['date']}; "
+            f"{s['model_name']}, "
             f"{s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, {s['nproc']} ranks. "
             f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
             f"chart: [{name}.png]({results_dir}/{name}.png).",
@@ -521,6 +522,12 @@ def readme_section(results: dict, f: dict, results_dir: str, name: str = "") -> 
             *targets_table(results, f),
         ]
     )
+
+
+def _flags(results: dict) -> str:
+    """ ", flags avx2 fma ..." (environment.VECTOR_FLAGS present) where the run recorded them."""
+    flags = results.get("machine", {}).get("cpu flags (vector, matrix)")
+    return f", flags {flags}" if flags else ""
 
 
 def _load_note(results: dict) -> list[str]:

@@ -10,6 +10,7 @@
    the trainer's ranks x threads (benchmarks/ceilings.py);
 4. TRL: GRPOTrainer on the same model, task, batch and lengths, in `.venv-bench` (created here
    when missing; the comparison is skipped with a clear line when it cannot be installed).
+`--bf16` runs both sides in bf16 mixed precision instead (results <config>-bf16-<date>; READMEs untouched).
 Writes benchmarks/results/<config>-<date>.{md,json,png}; on CPU also the table in benchmarks/README.md
 (and in README.md between the bench markers, where present). docs/benchmarks.md explains each figure.
 """

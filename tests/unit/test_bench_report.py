@@ -354,6 +354,10 @@ def test_readme_section_links_the_full_run():
     results = _results()
     text = report.readme_section(results, analysis.derive(copy.deepcopy(results)), "benchmarks/results")
     assert "(benchmarks/results/c-2026-01-01.md)" in text
+    assert "on test cpu (2 cores), 2026-01-01" in text
+    results["machine"]["cpu flags (vector, matrix)"] = "avx2 fma avx512f amx_bf16"
+    text = report.readme_section(results, analysis.derive(copy.deepcopy(results)), "benchmarks/results")
+    assert "on test cpu (2 cores, flags avx2 fma avx512f amx_bf16), 2026-01-01" in text
     assert "| step time | as configured | 11 s | 22 s | 0.50x |" in text
 
 
@@ -468,3 +472,10 @@ def test_bf16_row_is_said_and_kept_out_of_the_readme_tables():
     results["setup"]["dtype"] = "bfloat16"
     text = report.render_markdown(results, analysis.derive(results))
     assert "Both sides: m, bfloat16," in text and "Precision: bfloat16 mixed precision on both sides" in text
+
+
+def test_machine_names_the_cpu_flags_that_set_its_matmul_rate():
+    from benchmarks.environment import VECTOR_FLAGS, _cpu_flags
+
+    flags = _cpu_flags()
+    assert flags in ("-", "unknown") or set(flags.split()) <= set(VECTOR_FLAGS)
