@@ -11,11 +11,12 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from benchmarks.bytes import Layout, phase_flops, roofline, step_bytes
+from benchmarks.bytes import Layout, forward_bytes, phase_flops, roofline, step_bytes
 from benchmarks.flops import (
     ModelDims,
     StepShape,
     actor_flops_per_token,
+    actor_forward_flops,
     decode_flops_per_token,
     flops_per_token,
     step_flops,
@@ -249,7 +250,23 @@ def roofline_figures(results: dict, dims: ModelDims, shape: Optional[StepShape],
         if key in figures and floor > 0:
             out[f"fraction/{group}_roofline"] = over(floor, figures[key])
     out["roofline/seconds"] = out.pop("roofline/step_s")
+    out.update(_forward_roofline(results, dims, shape, layout, c["train_flops_per_s_total"], read_total))
     return out
+
+
+def _forward_roofline(results, dims, shape, layout, train_rate: float, read_rate: float) -> dict:
+    """The actor-forward micro-benchmark (one compute_logprobs over the step's batch) against the
+    roofline floor of one log-prob forward, whether or not the step itself runs one."""
+    st = results.get("stages", {})
+    if not _ok(st) or "actor_fwd" not in st:
+        return {}
+    floor = max(
+        actor_forward_flops(dims, shape) / train_rate,
+        forward_bytes(dims, shape, layout, dims.matmul_params, logits=True) / read_rate,
+    )
+    # tokens/s -> seconds for the batch: floor / (tokens / tok_s) = tok_s x floor / tokens
+    share = scaled(stat(st["actor_fwd"]["tok_s"]), floor / shape.train_tokens)
+    return {"roofline/actor_fwd_s": floor, "fraction/actor_fwd_roofline": share}
 
 
 def trl_figures(results: dict) -> dict:

@@ -452,6 +452,16 @@ def roofline_table(f: dict) -> list[str]:
                 _frac(f, f"fraction/{group}_roofline"),
             )
         )
+    if "roofline/actor_fwd_s" in f:
+        lines.append(
+            _row(
+                "actor log-prob forward over the batch (micro-bench)",
+                "",
+                "",
+                fmt_num(f["roofline/actor_fwd_s"], "s"),
+                _frac(f, "fraction/actor_fwd_roofline"),
+            )
+        )
     return lines
 
 

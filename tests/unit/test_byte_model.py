@@ -147,6 +147,10 @@ def test_derived_roofline_and_the_measured_times_against_it():
     assert f["roofline/update_s"] == pytest.approx(floor - 4.8 - 7.04)
     assert "fraction/sync_roofline" not in f  # a floor of 0 has no share
     assert f["targets"]["step_roofline_fraction"]["met"] is True
+    # the actor-forward micro-bench (20 tok/s over 20 tokens: 1 s a forward) against one forward's floor,
+    # 9.984 s of bytes > 7.36 s of FLOPs
+    assert f["roofline/actor_fwd_s"] == pytest.approx(9.984)
+    assert f["fraction/actor_fwd_roofline"]["median"] == pytest.approx(9.984 / 1.0)
     text = report.render_markdown(_roofline_results(), f)
     assert "| actor_optimizer | 0 FLOP | 7.06 kB | 0 s | 7.06 s | 7.06 s | memory |" in text
     assert "| rollout (prefill + decode) | 4 s | 11.8 s | 11.8 s |" in text
