@@ -11,10 +11,12 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from benchmarks.bytes import Layout, forward_bytes, phase_flops, roofline, step_bytes
 from benchmarks.flops import (
     ModelDims,
     StepShape,
     actor_flops_per_token,
+    actor_forward_flops,
     decode_flops_per_token,
     flops_per_token,
     step_flops,
@@ -55,6 +57,7 @@ TARGETS = {
     "step_time_vs_trl": ("<=", 0.6, "GRPO step time / TRL's"),
     "rollout_decode_fraction": (">=", 0.6, "rollout tokens/s in the step / decode ceiling"),
     "step_floor_fraction": (">=", 0.7, "FLOP-floor time / step time"),
+    "step_roofline_fraction": (">=", 0.8, "roofline-floor time (FLOPs and bytes) / step time (issue 40)"),
     "sync_bytes": ("<=", 0, "weight sync bytes moved where layouts agree (rank 0)"),
 }
 GIB = 2**30
@@ -104,6 +107,11 @@ def trainer_figures(results: dict) -> dict:
     out = {k: stat([r[k] for r in rows if k in r]) for k in TRAINER_KEYS}
     other = [r["timing/step_s"] - sum(r.get(k, 0.0) for k in STAGE_KEYS) for r in rows]
     out["timing/other_s"] = stat(other)
+    # the update outside the actor's and critic's training: old/reference log-probs, values, advantages
+    trained = ("timing/actor_update_s", "timing/critic_update_s")
+    out["timing/update_forwards_s"] = stat(
+        [r["timing/update_s"] - sum(r.get(k, 0.0) for k in trained) for r in rows if "timing/actor_update_s" in r]
+    )
     gen = [r["throughput/rollout_tok_s"] * r["timing/rollout_s"] for r in rows if "throughput/rollout_tok_s" in r]
     out["step/gen_tokens"] = stat(gen)
     out["step/gen_tok_s"] = stat([g / r["timing/step_s"] for g, r in zip(gen, rows)])
@@ -195,6 +203,72 @@ def floor_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], fi
     return out
 
 
+# The measured times a trainer step reports, each against the phases of the byte model it spans.
+ROOFLINE_GROUPS = (
+    ("sync", "timing/sync_s", ("weight_sync",)),
+    ("rollout", "timing/rollout_s", ("prefill", "decode")),
+    ("update_forwards", "timing/update_forwards_s", ("old_logprob", "ref_logprob", "critic_values")),
+    (
+        "actor_update",
+        "timing/actor_update_s",
+        ("actor_train", "actor_optimizer", "actor_grad_collective", "actor_param_collective"),
+    ),
+    (
+        "critic_update",
+        "timing/critic_update_s",
+        ("critic_train", "critic_optimizer", "critic_grad_collective", "critic_param_collective"),
+    ),
+    ("update", "timing/update_s", None),  # None: every phase of the update (all but sync and rollout)
+    ("step", "timing/step_s", ()),  # (): every phase
+)
+
+
+def roofline_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], figures: dict) -> dict:
+    """Each phase's FLOP and byte floors and their max (the roofline, benchmarks/bytes.py); each measured
+    time against the phases it spans (`fraction/<group>_roofline` = floor / measured)."""
+    c = results.get("ceilings", {})
+    if shape is None or not _ok(c) or "read_bytes_per_s" not in c:
+        return {}
+    layout = Layout.from_setup(results["setup"], results.get("model", {}))
+    nbytes = step_bytes(dims, shape, layout)
+    read_total = c["read_bytes_per_s"] * c.get("procs", 1)
+    phases = roofline(
+        phase_flops(dims, shape), nbytes, c["train_flops_per_s_total"], c["decode_flops_per_s_total"], read_total
+    )
+    out = {"roofline/phases": phases, "roofline/bytes": nbytes, "roofline/read_bytes_per_s_total": read_total}
+    for group, key, names in ROOFLINE_GROUPS:
+        if names == ():
+            names = tuple(phases)
+        elif names is None:
+            names = tuple(p for p in phases if p not in ("weight_sync", "prefill", "decode"))
+        present = [p for p in names if p in phases]
+        if not present:
+            continue
+        floor = sum(phases[p]["floor_s"] for p in present)
+        out[f"roofline/{group}_s"] = floor
+        out[f"roofline/{group}_flop_s"] = sum(phases[p]["flop_s"] for p in present)
+        if key in figures and floor > 0:
+            out[f"fraction/{group}_roofline"] = over(floor, figures[key])
+    out["roofline/seconds"] = out.pop("roofline/step_s")
+    out.update(_forward_roofline(results, dims, shape, layout, c["train_flops_per_s_total"], read_total))
+    return out
+
+
+def _forward_roofline(results, dims, shape, layout, train_rate: float, read_rate: float) -> dict:
+    """The actor-forward micro-benchmark (one compute_logprobs over the step's batch) against the
+    roofline floor of one log-prob forward, whether or not the step itself runs one."""
+    st = results.get("stages", {})
+    if not _ok(st) or "actor_fwd" not in st:
+        return {}
+    floor = max(
+        actor_forward_flops(dims, shape) / train_rate,
+        forward_bytes(dims, shape, layout, dims.matmul_params, logits=True) / read_rate,
+    )
+    # tokens/s -> seconds for the batch: floor / (tokens / tok_s) = tok_s x floor / tokens
+    share = scaled(stat(st["actor_fwd"]["tok_s"]), floor / shape.train_tokens)
+    return {"roofline/actor_fwd_s": floor, "fraction/actor_fwd_roofline": share}
+
+
 def trl_figures(results: dict) -> dict:
     trl = results.get("trl", {})
     if not _ok(trl):
@@ -263,6 +337,7 @@ def target_figures(figures: dict, setup: Optional[dict] = None) -> dict:
         "step_time_vs_trl": figures.get("ratio/step_time"),
         "rollout_decode_fraction": (figures.get("fraction/rollout_in_step") or {}).get("median"),
         "step_floor_fraction": (figures.get("fraction/step_floor") or {}).get("median"),
+        "step_roofline_fraction": (figures.get("fraction/step_roofline") or {}).get("median"),
         "sync_bytes": sync_bytes if layouts_agree(setup or {}) else None,
     }
     out = {}
@@ -279,6 +354,7 @@ def _derive_one(results: dict) -> dict:
     shape = step_shape(results, figures)
     figures.update(ceiling_figures(results, dims, shape, figures))
     figures.update(floor_figures(results, dims, shape, figures))
+    figures.update(roofline_figures(results, dims, shape, figures))
     figures.update(trl_figures(results))
     figures.update(comparison_figures(figures, results))
     figures.update(memory_figures(results))

@@ -130,12 +130,10 @@ def model_info(hf_dir: str) -> dict:
 
 
 def parameter_count(dims, tied: bool) -> int:
-    """Every trained parameter: embedding (+ LM head when untied), per layer the linears and 2 RMSNorms, final norm.
+    """Every trained parameter (benchmarks/bytes.py `trained_params`: the byte model's N)."""
+    from benchmarks.bytes import trained_params
 
-    Biases (Qwen2's QKV bias) are left out: < 0.1% of a layer.
-    """
-    embed = dims.vocab * dims.hidden
-    return embed * (1 if tied else 2) + dims.layers * (dims.layer_params + 2 * dims.hidden) + dims.hidden
+    return trained_params(dims, tied)
 
 
 def machine(load_at_start: tuple[float, float, float]) -> dict:
@@ -146,6 +144,7 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
         "cpu": _cpu_model(),
         "logical cores": os.cpu_count(),
         "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "cpu flags (vector, matrix)": _cpu_flags(),
         "platform": platform.platform(),
         "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in load_at_start),
         "load average at end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -165,6 +164,20 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# The instruction sets that decide a CPU's matmul rate in fp32 and bf16 (AMX: Intel's tile matmuls).
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _cpu_flags() -> str:
+    """The VECTOR_FLAGS this CPU has, in that order ("-" when none, "unknown" off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    return " ".join(x for x in VECTOR_FLAGS if x in flags) or "-"
 
 
 def _run(cmd: list[str]) -> str:

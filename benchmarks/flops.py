@@ -136,12 +136,20 @@ def actor_forward_flops(dims: ModelDims, shape: StepShape) -> float:
     return forward_flops(dims, shape, dims.body_matmul_params, dims.lm_head_params)
 
 
-def generation_flops(dims: ModelDims, shape: StepShape) -> float:
-    prefill = shape.num_prompts * (2.0 * dims.matmul_params * shape.prompt_len + dims.attention_flops(shape.prompt_len))
-    decode = shape.num_sequences * (
+def prefill_flops(dims: ModelDims, shape: StepShape) -> float:
+    """Each prompt's forward once (the n samples of a prompt can share it)."""
+    return shape.num_prompts * (2.0 * dims.matmul_params * shape.prompt_len + dims.attention_flops(shape.prompt_len))
+
+
+def decode_flops(dims: ModelDims, shape: StepShape) -> float:
+    """Every response token: 2P plus its attention over the prompt and the earlier response tokens."""
+    return shape.num_sequences * (
         2.0 * dims.matmul_params * shape.response_len + dims.attention_flops(shape.seq_len, past=shape.prompt_len)
     )
-    return prefill + decode
+
+
+def generation_flops(dims: ModelDims, shape: StepShape) -> float:
+    return prefill_flops(dims, shape) + decode_flops(dims, shape)
 
 
 def step_flops(dims: ModelDims, shape: StepShape) -> dict[str, float]:

@@ -71,6 +71,17 @@ def main_table(results: dict, f: dict) -> list[str]:
             _frac(f, "fraction/step_floor"),
         )
     )
+    roof = f.get("roofline/seconds")
+    if roof is not None:
+        lines.append(
+            _row(
+                "&nbsp;&nbsp;against its roofline floor (FLOPs and bytes, per phase)",
+                "",
+                "",
+                f"roofline floor {fmt_num(roof, 's')}",
+                _frac(f, "fraction/step_roofline"),
+            )
+        )
     for key, name in STAGES:
         lines.append(_row(f"&nbsp;&nbsp;{name}", *fmt_stat(f.get(key), "s"), "", ""))
     lines.append(
@@ -233,9 +244,21 @@ def what_each_side_did(results: dict) -> list[str]:
         f"{trl.get('threads', '?')}), host allocator {s.get('host_allocator', 'glibc')} "
         f"(TRL: {trl.get('host_allocator', 'glibc')}). "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
-        "transformers' generate().",
+        "transformers' generate()." + _precision_note(s),
         "",
     ]
+
+
+def _precision_note(setup: dict) -> str:
+    """What bf16 means on each side (benchmarks/run.py --bf16); nothing for fp32."""
+    if setup.get("dtype", "float32") == "float32":
+        return ""
+    return (
+        f" Precision: {setup['dtype']} mixed precision on both sides. rlstack: megatron's bf16 weights and "
+        "activations, fp32 grads, fp32 main params and Adam moments; its hf rollout engine generates in fp32 on "
+        "CPU (the weight sync casts). TRL: weights loaded in bf16 (`model_init_kwargs`) and `bf16=True` (GRPOConfig's "
+        "default), its AdamW updating the bf16 weights (no fp32 copy)."
+    )
 
 
 def trl_table(results: dict, f: dict) -> list[str]:
@@ -347,13 +370,18 @@ def ceilings_table(results: dict) -> list[str]:
         *(
             [
                 _row(
-                    f"memory read (sum of a large tensor); decode weights {fmt_num(c['decode_weight_bytes'], 'B')} "
-                    f"a step: {fmt_num(c['decode_weight_bytes'] / c['read_bytes_per_s'], 's')} at this rate",
+                    "memory read (sum of a large tensor; the byte floor's rate)"
+                    + (
+                        f"; decode weights {fmt_num(c['decode_weight_bytes'], 'B')} a step: "
+                        f"{fmt_num(c['decode_weight_bytes'] / c['read_bytes_per_s'], 's')} at this rate"
+                        if "decode_weight_bytes" in c
+                        else ""
+                    ),
                     fmt_num(c["read_bytes_per_s"], "B/s"),
                     fmt_num(c["read_bytes_per_s"] * c["procs"], "B/s"),
                 )
             ]
-            if "read_bytes_per_s" in c and "decode_weight_bytes" in c
+            if "read_bytes_per_s" in c
             else []
         ),
         _row(
@@ -370,6 +398,70 @@ def floor_table(f: dict) -> list[str]:
         return ["FLOP floor not computed (no prompt/response lengths)."]
     lines = [_row("pass", "FLOPs"), _row("---", "---")]
     lines += [_row(k, fmt_num(v, "FLOP")) for k, v in flops.items()]
+    return lines
+
+
+# Measured times against the phases they span (analysis.ROOFLINE_GROUPS), as the roofline table names them.
+ROOFLINE_ROWS = (
+    ("sync", "timing/sync_s", "weight sync"),
+    ("rollout", "timing/rollout_s", "rollout (prefill + decode)"),
+    ("update_forwards", "timing/update_forwards_s", "update: log-prob / value forwards, advantages"),
+    ("actor_update", "timing/actor_update_s", "update: actor training (fwd + bwd, collectives, optimizer)"),
+    ("critic_update", "timing/critic_update_s", "update: critic training"),
+    ("update", "timing/update_s", "update, all of it"),
+    ("step", "timing/step_s", "**step**"),
+)
+
+
+def roofline_table(f: dict) -> list[str]:
+    """Each phase's FLOP and byte floors and the larger of the two; each measured time against its phases."""
+    phases = f.get("roofline/phases")
+    if not phases:
+        return ["Roofline not computed (no lengths, or no memory read rate among the ceilings)."]
+    lines = [
+        f"Bytes at the machine's read rate ({fmt_num(f['roofline/read_bytes_per_s_total'], 'B/s')}, all ranks); "
+        "FLOPs at the decode ceiling (prefill, decode) or the training matmul ceiling (the rest), as the "
+        'FLOP floor. docs/benchmarks.md ("Byte floor") derives every count.',
+        "",
+        _row("phase", "FLOPs", "bytes (all ranks)", "FLOP floor", "byte floor", "roofline floor", "bound"),
+        _row(*["---"] * 7),
+    ]
+    for name, p in phases.items():
+        lines.append(
+            _row(
+                name,
+                fmt_num(p["flops"], "FLOP"),
+                fmt_num(p["bytes"], "B"),
+                fmt_num(p["flop_s"], "s"),
+                fmt_num(p["byte_s"], "s"),
+                fmt_num(p["floor_s"], "s"),
+                p["bound"],
+            )
+        )
+    lines += ["", _row("measured", "median", "FLOP floor", "roofline floor", "roofline / measured"), _row(*["---"] * 5)]
+    for group, key, label in ROOFLINE_ROWS:
+        floor = f.get("roofline/seconds" if group == "step" else f"roofline/{group}_s")
+        if floor is None or key not in f:
+            continue
+        lines.append(
+            _row(
+                label,
+                fmt_stat(f[key], "s")[0],
+                fmt_num(f.get(f"roofline/{group}_flop_s"), "s"),
+                fmt_num(floor, "s"),
+                _frac(f, f"fraction/{group}_roofline"),
+            )
+        )
+    if "roofline/actor_fwd_s" in f:
+        lines.append(
+            _row(
+                "actor log-prob forward over the batch (micro-bench)",
+                "",
+                "",
+                fmt_num(f["roofline/actor_fwd_s"], "s"),
+                _frac(f, "fraction/actor_fwd_roofline"),
+            )
+        )
     return lines
 
 
@@ -403,6 +495,10 @@ def render_markdown(results: dict, f: dict) -> str:
         "",
         *floor_table(f),
         "",
+        "## Roofline of one step: FLOP floor and byte floor per phase",
+        "",
+        *roofline_table(f),
+        "",
         "## Machine and versions",
         "",
     ]
@@ -422,7 +518,8 @@ def readme_section(results: dict, f: dict, results_dir: str, name: str = "") -> 
     return "\n".join(
         [
             f"Latest CPU run: `{results['command']}` on {results['machine'].get('cpu', '?')} "
-            f"({results['machine'].get('logical cores', '?')} cores), {results['date']}; {s['model_name']}, "
+            f"({results['machine'].get('logical cores', '?')} cores{_flags(results)}), {results['date']}; "
+            f"{s['model_name']}, "
             f"{s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, {s['nproc']} ranks. "
             f"Full table, machine and versions: [{name}.md]({results_dir}/{name}.md); "
             f"chart: [{name}.png]({results_dir}/{name}.png).",
@@ -435,6 +532,12 @@ def readme_section(results: dict, f: dict, results_dir: str, name: str = "") -> 
             *targets_table(results, f),
         ]
     )
+
+
+def _flags(results: dict) -> str:
+    """ ", flags avx2 fma ..." (environment.VECTOR_FLAGS present) where the run recorded them."""
+    flags = results.get("machine", {}).get("cpu flags (vector, matrix)")
+    return f", flags {flags}" if flags else ""
 
 
 def _load_note(results: dict) -> list[str]:

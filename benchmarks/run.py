@@ -10,6 +10,7 @@
    the trainer's ranks x threads (benchmarks/ceilings.py);
 4. TRL: GRPOTrainer on the same model, task, batch and lengths, in `.venv-bench` (created here
    when missing; the comparison is skipped with a clear line when it cannot be installed).
+`--bf16` runs both sides in bf16 mixed precision instead (results <config>-bf16-<date>; READMEs untouched).
 Writes benchmarks/results/<config>-<date>.{md,json,png}; on CPU also the table in benchmarks/README.md
 (and in README.md between the bench markers, where present). docs/benchmarks.md explains each figure.
 """
@@ -56,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="same",
         help="TRL's host allocator: the trainer's (same; tcmalloc preloaded where rlstack uses it) or glibc",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both sides in bf16 mixed precision (rlstack model.dtype=bfloat16, TRL bf16): results as "
+        "<config>-bf16-<date>, ceilings in bf16, the README tables (fp32 comparison rows) left as they are",
+    )
     p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
     p.add_argument(
         "--reuse",
@@ -68,6 +75,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=os.path.join(ROOT, "outputs", "bench"), help="logs and run outputs")
     p.add_argument("--timeout-min", type=float, default=60, help="limit for each part")
     return p.parse_args(argv)
+
+
+BF16_SUFFIX = "-bf16"
+
+
+def with_precision(args) -> list[str]:
+    """The trainer's overrides, with `model.dtype=bfloat16` for --bf16 (TRL follows setup["dtype"])."""
+    if not args.bf16:
+        return list(args.overrides)
+    if any(o.startswith("model.dtype=") for o in args.overrides):
+        raise SystemExit("benchmarks/run.py: --bf16 sets model.dtype=bfloat16; drop the model.dtype override")
+    return [*args.overrides, "model.dtype=bfloat16"]
+
+
+def updates_readme(setup: dict, out_dir: str) -> bool:
+    """The READMEs carry the fp32 comparison of a CPU run into the default folder; a --bf16 row stays in its file."""
+    default_dir = os.path.abspath(out_dir) == os.path.join(ROOT, "benchmarks", "results")
+    return setup["device"] == "cpu" and default_dir and not setup.get("bf16_row")
 
 
 def echo_line(line: str) -> bool:
@@ -344,8 +369,11 @@ def main(argv=None) -> int:
         raise SystemExit("benchmarks/run.py: --config is required (or --rerender RESULTS.json)")
     from rlstack.config import load_config
 
+    args.overrides = with_precision(args)
     cfg = load_config(args.config, args.overrides)
     setup = environment.describe_setup(args, cfg)
+    if args.bf16:  # its own results name: never mistaken for (or written over) the fp32 comparison
+        setup.update(config_name=setup["config_name"] + BF16_SUFFIX, bf16_row=True)
     skip = set(filter(None, args.skip.split(",")))
     load_at_start = os.getloadavg()
     env = {
@@ -431,8 +459,7 @@ def publish(results: dict, out_dir: str) -> int:
         report.write_chart(results, figures, stem + ".png")
     except Exception as e:  # a chart is a convenience: the table and JSON are already written
         print(f"chart not written: {type(e).__name__}: {e}", flush=True)
-    default_dir = os.path.abspath(out_dir) == os.path.join(ROOT, "benchmarks", "results")
-    if results["setup"]["device"] == "cpu" and default_dir:  # the READMEs link into the default folder
+    if updates_readme(results["setup"], out_dir):  # the READMEs link into the default folder
         for readme, rel in (("benchmarks/README.md", "results"), ("README.md", "benchmarks/results")):
             report.update_readme(
                 os.path.join(ROOT, readme), report.readme_section(results, figures, rel, os.path.basename(stem))

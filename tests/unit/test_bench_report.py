@@ -226,6 +226,7 @@ def test_target_bounds_are_issue_15s():
         "step_time_vs_trl": ("<=", 0.6),
         "rollout_decode_fraction": (">=", 0.6),
         "step_floor_fraction": (">=", 0.7),
+        "step_roofline_fraction": (">=", 0.8),  # issue 40's
         "sync_bytes": ("<=", 0),
     }
 
@@ -353,6 +354,10 @@ def test_readme_section_links_the_full_run():
     results = _results()
     text = report.readme_section(results, analysis.derive(copy.deepcopy(results)), "benchmarks/results")
     assert "(benchmarks/results/c-2026-01-01.md)" in text
+    assert "on test cpu (2 cores), 2026-01-01" in text
+    results["machine"]["cpu flags (vector, matrix)"] = "avx2 fma avx512f amx_bf16"
+    text = report.readme_section(results, analysis.derive(copy.deepcopy(results)), "benchmarks/results")
+    assert "on test cpu (2 cores, flags avx2 fma avx512f amx_bf16), 2026-01-01" in text
     assert "| step time | as configured | 11 s | 22 s | 0.50x |" in text
 
 
@@ -449,3 +454,28 @@ def test_a_repeated_run_never_overwrites_saved_results(tmp_path):
     assert free_stem(stem) == stem + "-2"
     (tmp_path / "cfg-2026-12-01-2.md").write_text("")
     assert free_stem(stem) == stem + "-3"
+
+
+def test_bf16_row_is_said_and_kept_out_of_the_readme_tables():
+    from benchmarks.run import ROOT, parse_args, updates_readme, with_precision
+
+    assert with_precision(parse_args(["--config", "c.yaml", "a.b=1"])) == ["a.b=1"]  # fp32 stays the default
+    assert with_precision(parse_args(["--config", "c.yaml", "--bf16", "a.b=1"])) == ["a.b=1", "model.dtype=bfloat16"]
+    with pytest.raises(SystemExit, match="drop the model.dtype override"):
+        with_precision(parse_args(["--config", "c.yaml", "--bf16", "model.dtype=float32"]))
+    results_dir = os.path.join(ROOT, "benchmarks", "results")
+    assert updates_readme({"device": "cpu"}, results_dir)
+    assert not updates_readme({"device": "cpu", "bf16_row": True}, results_dir)
+    assert not updates_readme({"device": "cpu"}, "/tmp/elsewhere")
+    results = _results()
+    assert "Precision:" not in report.render_markdown(results, analysis.derive(results))
+    results["setup"]["dtype"] = "bfloat16"
+    text = report.render_markdown(results, analysis.derive(results))
+    assert "Both sides: m, bfloat16," in text and "Precision: bfloat16 mixed precision on both sides" in text
+
+
+def test_machine_names_the_cpu_flags_that_set_its_matmul_rate():
+    from benchmarks.environment import VECTOR_FLAGS, _cpu_flags
+
+    flags = _cpu_flags()
+    assert flags in ("-", "unknown") or set(flags.split()) <= set(VECTOR_FLAGS)
