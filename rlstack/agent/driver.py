@@ -169,6 +169,11 @@ class AgentRollout:
             out = await loop.run(list(prompt_ids), ctx)
         except BaseException as e:
             batcher.failed = True  # the rollout stops: no more engine calls for the others
+            if isinstance(e, (SystemExit, KeyboardInterrupt)):  # would end the job silently (exit(0): status 0)
+                raise UserError(
+                    f"agent loop {type(loop).__name__} raised {type(e).__name__} (sample {index}): a loop must "
+                    "return an AgentOutput, not exit; fix the loop (rollout.agent_loop)"
+                ) from None
             if isinstance(e, Exception) and not isinstance(e, UserError):
                 e.add_note(f"in agent loop {type(loop).__name__} (sample {index}): a bug in the loop")
             raise

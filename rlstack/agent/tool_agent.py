@@ -17,6 +17,12 @@ from typing import Any, Optional
 from rlstack.agent.base import AgentContext, AgentLoop, AgentOutput, Transcript
 from rlstack.agent.parser import ParsedCall, parse_hermes
 from rlstack.agent.tools import Tool
+from rlstack.errors import UserError
+
+
+class _ToolExited(Exception):
+    """A tool raised SystemExit or KeyboardInterrupt (its name is the message)."""
+
 
 ERROR_KINDS = ("malformed", "unknown_tool", "invalid_arguments", "exception", "timeout")
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -122,6 +128,11 @@ class ToolAgentLoop(AgentLoop):
             result = await asyncio.wait_for(self._run_tool(tool, call.arguments, session), timeout)
         except TimeoutError:
             return "timeout", f"tool '{call.name}' did not answer within {self.cfg.tool_timeout_s} s"
+        except _ToolExited as e:  # exit() in a tool would end the job, with status 0 for exit(0)
+            raise UserError(
+                f"tool '{call.name}' ({tool.source}) raised {e}: a tool must return its result, not exit; "
+                "fix the tool (rollout.multi_turn.tool_config_path / function_tool_path)"
+            ) from None
         except Exception as e:  # a tool's own bug: the model sees it, the run goes on
             return "exception", f"tool '{call.name}' raised {type(e).__name__}: {e}"
         if result.reward is not None:
@@ -129,11 +140,14 @@ class ToolAgentLoop(AgentLoop):
         return "", result.text
 
     async def _run_tool(self, tool: Tool, arguments: dict, session: _Session):
-        if tool.name not in session.instances:
-            session.instances[tool.name] = None  # reserved: a failing create is not retried
-            kwargs = (session.tools_kwargs.get(tool.name) or {}).get("create_kwargs") or {}
-            session.instances[tool.name] = await tool.create(kwargs)
-        return await tool.execute(session.instances[tool.name], arguments)
+        try:
+            if tool.name not in session.instances:
+                session.instances[tool.name] = None  # reserved: a failing create is not retried
+                kwargs = (session.tools_kwargs.get(tool.name) or {}).get("create_kwargs") or {}
+                session.instances[tool.name] = await tool.create(kwargs)
+            return await tool.execute(session.instances[tool.name], arguments)
+        except (SystemExit, KeyboardInterrupt) as e:  # caught here: asyncio would let them end the event loop
+            raise _ToolExited(type(e).__name__) from None
 
     async def _close(self, session: _Session) -> dict[str, float]:
         """calc_reward then release every instance of the trajectory; their failures are counted too."""

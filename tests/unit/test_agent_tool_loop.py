@@ -255,3 +255,32 @@ def test_a_loop_output_is_cut_to_the_budget_and_checked(tok, tools):
     assert len(s.response_ids) == len(s.response_mask) == len(s.logprobs) == 40 and s.finish_reason == "length"
     with pytest.raises(UserError, match="Uneven: AgentOutput has 3 response_ids, 2 response_mask"):
         rollout.generate([prompt], [{"agent_name": "uneven"}], SamplingParams(max_new_tokens=40))
+
+
+def test_a_loop_or_tool_that_exits_is_a_user_error_naming_it(tok, tools, tmp_path):
+    """sys.exit(0) inside user code would end the job with status 0 and nothing saved (issue 32)."""
+    from rlstack.agent import AgentLoop
+    from rlstack.agent.tools import load_tools
+    from rlstack.errors import UserError
+
+    class Exits(AgentLoop):
+        async def run(self, prompt_ids, ctx):
+            raise SystemExit(0)
+
+    engine, rollout, schemas = _rollout(tok, tools, {"a": [ANSWER]})
+    loops = LoopSet("single_turn")
+    loops.register("x", Exits())
+    rollout.loops = loops
+    with pytest.raises(UserError, match="agent loop Exits raised SystemExit"):
+        rollout.generate([_prompt(tok, "a", schemas)], [{"agent_name": "x"}], SamplingParams(max_new_tokens=50))
+    rollout.close()
+
+    quits = tmp_path / "quits.py"
+    quits.write_text(
+        'def quit_now(x: int) -> str:\n    """Stop.\n\n    Args:\n        x: any\n    """\n    raise SystemExit(0)\n'
+    )
+    exiting = load_tools("", str(quits))
+    engine, rollout, schemas = _rollout(tok, exiting, {"q": [call("quit_now", x=1), ANSWER]})
+    with pytest.raises(UserError, match="tool 'quit_now'.*raised SystemExit"):
+        rollout.generate([_prompt(tok, "q", schemas)], [{}], SamplingParams(max_new_tokens=200))
+    rollout.close()
