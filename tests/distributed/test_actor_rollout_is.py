@@ -51,7 +51,7 @@ def _step(hf_dir, groups, on_policy: bool, rollout_is: str, advantage_scale=None
         rollout.advantages = rollout.advantages * advantage_scale(delta)
     counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 6.0}
     algo = AlgorithmConfig(use_kl_loss=False, rollout_is=rollout_is, rollout_is_cap=CAP)
-    stats = Actor(role, algo).update(rollout, counts, 2)["stats"]
+    stats = Actor(role, algo).update(rollout, counts, 2).stats
     weights = torch.cat([p.detach().flatten() for p in role.module.parameters()])
     return {"weights": weights, "stats": stats, "delta": delta, "mask": rollout.resp_mask > 0}
 

@@ -49,7 +49,7 @@ def _step(hf_dir, groups, coef: float, with_advantages: bool, lr: float):
     rollout.advantages = advantages if with_advantages else torch.zeros_like(advantages)
     counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 4.0}
     algo = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=coef, kl_loss_type="k3")
-    stats = Actor(role, algo).update(rollout, counts, 2)["stats"]
+    stats = Actor(role, algo).update(rollout, counts, 2).stats
     after = torch.cat([p.detach().flatten() for p in role.module.parameters()])
     mask = rollout.resp_mask
     return {
