@@ -201,7 +201,8 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
     critic_role = parts.critic.role if parts.critic is not None else None
     # offload: states to host in the phases that do not use them
     phases = Phases(Offloader.from_config(cfg, parts.actor.role, critic_role, parts.ref, parts.engine))
-    scoring = Scoring(parts.scorer, parts.tokenizer, parts.reward_model, groups)
+    overlong = (cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)  # DAPO's overlong shaping (training)
+    scoring = Scoring(parts.scorer, parts.tokenizer, parts.reward_model, groups, overlong)
     mbs, temperature = cfg.algorithm.micro_batch_size, cfg.rollout.temperature
     forwards = ScoreForwards(parts.actor, parts.ref, parts.critic, mbs, temperature, phases.offload)
     data = (parts.train_set, parts.sampler, parts.tokenizer, scoring)

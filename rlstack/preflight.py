@@ -357,7 +357,6 @@ def _check_dapo(cfg, log) -> None:
             )
         if o.penalty_factor < 0:
             raise UserError(f"reward.overlong_buffer.penalty_factor is {o.penalty_factor}: it must be >= 0")
-        log.warning("reward.overlong_buffer: not applied by the trainer yet (rlstack/rewards/overlong.py has the call)")
     if f.max_num_gen_batches < 0:
         raise UserError(
             f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"

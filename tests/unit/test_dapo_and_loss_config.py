@@ -139,7 +139,7 @@ def test_warnings_for_settings_without_effect(caplog):
     assert "tau_pos has no effect with policy_loss=cispo" in text
     assert "policy_loss=sapo aggregates seq-mean-token-mean" in text
     assert "dynamic sampling is not applied by the trainer yet" in text
-    assert "reward.overlong_buffer: not applied by the trainer yet" in text
+    assert "reward.overlong_buffer" not in text  # overlong shaping is live (rlstack/step/scoring.py)
 
 
 def test_filter_groups_keys_are_accepted():
