@@ -210,4 +210,8 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
         source = SplitSource(cfg, groups, parts.split, *data, forwards)
     else:
         source = ColocatedSource(cfg, groups, parts.engine, parts.weight_sync, parts.actor, *data, phases)
+        if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
+            from rlstack.step.dynamic import DynamicSamplingSource
+
+            source = DynamicSamplingSource(source, cfg)
     return StepParts(phases, scoring, forwards, source)

@@ -187,15 +187,18 @@ class PolicyLossParams:
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling (verl's algorithm.filter_groups): drop the prompts whose samples all
-    scored the same (no group-relative signal) and generate more until data.train_batch_size remain.
-    Accepted and validated; the trainer does not apply it yet (preflight warns)."""
+    scored the same (no group-relative signal) and generate more until data.train_batch_size remain
+    (rlstack/step/dynamic.py; colocated placement only)."""
 
     enable: bool = False
-    # what must vary within a group: acc (the reward function's "acc" key; its score when it returns
-    # a number, as verl), score (the task score), seq_reward (the reward trained on before any KL
-    # penalty: score + overlong penalty; verl 0.9.1's default "reward")
+    # what must vary within a group: acc (the reward function's "acc" extra when it returns one, as
+    # verl; else score >= 1, as val/accuracy), score (the task score), seq_reward (the reward trained
+    # on before any KL penalty: score + overlong penalty; verl 0.9.1's default "reward")
     metric: str = "seq_reward"
     max_num_gen_batches: int = 0  # generation rounds per step at most; 0: no limit
+    # short of groups after max_num_gen_batches rounds: stop (verl: the run ends with a message naming
+    # the fix) | train (the kept groups topped up with dropped, constant ones to a full batch)
+    on_cap: str = "stop"
 
 
 @dataclass
@@ -407,6 +410,7 @@ CHOICES = {
     "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
     "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
+    "algorithm.filter_groups.on_cap": ("stop", "train"),
     "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
     "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,

@@ -361,8 +361,12 @@ def _check_dapo(cfg, log) -> None:
         raise UserError(
             f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"
         )
-    if f.enable:
-        log.warning("algorithm.filter_groups.enable: dynamic sampling is not applied by the trainer yet")
+    if f.enable and cfg.placement.rollout_ranks > 0:
+        raise UserError(
+            "algorithm.filter_groups.enable with placement.rollout_ranks > 0: the split source requests one "
+            "batch a step (staleness 1 a step ahead, scoring streamed), with no place for further generation "
+            "rounds; use colocated placement (placement.rollout_ranks=0) for dynamic sampling"
+        )
 
 
 # ----------------------------------------------------------------------------- output directory
