@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megatron_bridge.parallel import ParallelGroups
-from rlstack.config import ExperimentConfig
+from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.workers.actor import Actor
 from rlstack.workers.critic import Critic
 from rlstack.workers.megatron_role import MegatronRole, OptimSettings, warmup_steps
@@ -214,4 +214,8 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
             from rlstack.step.dynamic import DynamicSamplingSource
 
             source = DynamicSamplingSource(source, cfg)
+    if adv_estimator(cfg) == "remax":  # one greedy generation per prompt: ReMax's baseline
+        from rlstack.step.remax import RemaxBaselineSource
+
+        source = RemaxBaselineSource(source, groups, scoring)
     return StepParts(phases, scoring, forwards, source)

@@ -274,7 +274,6 @@ def check_reward(cfg, data_sources: list) -> None:
 
 # Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks.
 _NEEDS_TRAINER = {
-    "remax": "a greedy rollout of every prompt as its baseline (compute_advantages' reward_baselines)",
     "optimal_token_baseline": (
         "sum_pi_squared, the sum over the vocabulary of each token's squared probability, from the actor's forward"
     ),

@@ -95,7 +95,6 @@ def test_every_new_loss_and_estimator_name_validates():
             ["algorithm.policy_loss=kl_cov", "algorithm.policy_loss_params.ppo_kl_coef=-1"],
             "ppo_kl_coef is -1.0 .* >= 0",
         ),
-        (["algorithm.adv_estimator=remax"], "remax needs a greedy rollout of every prompt"),
         (["algorithm.adv_estimator=optimal_token_baseline"], "needs sum_pi_squared"),
         (
             ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"],
