@@ -206,8 +206,9 @@ class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo (remax and
-    # optimal_token_baseline: refused until the trainer provides their inputs); "": gae (ppo), grpo (grpo)
+    # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo | remax (a greedy
+    # generation per prompt as baseline; optimal_token_baseline: refused until the trainer provides its
+    # inputs); "": gae (ppo), grpo (grpo)
     adv_estimator: str = ""
     gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: the reward function's component keys
     gdpo_reward_weights: list[float] = field(default_factory=list)  # gdpo: one weight per key; []: all 1
