@@ -149,3 +149,28 @@ def test_the_source_draws_rounds_from_the_sampler_until_enough_groups_vary():
     assert batch.rollout.scores.tolist() == [1.0, 0.0] * 4 and batch.rollout.num_sequences == 8
     assert batch.gen_tokens == 32.0 and batch.metrics["engine/x"] == 1.0
     assert (batch.metrics["dapo/gen_rounds"], batch.metrics["dapo/groups_dropped"]) == (2.0, 4.0)
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_the_chosen_groups_are_dealt_whole_to_the_dp_ranks(balance):
+    """Two DP ranks (no collective needed for the deal): every group's samples land on one rank,
+    together with their scores, and the ranks together hold the batch once."""
+    cfg = ExperimentConfig()
+    cfg.trainer.balance_batch = balance
+    chosen = []
+    for p in range(4):  # group p: 3 samples, responses of p + 1 tokens (balance deals by tokens)
+        prompt = types.SimpleNamespace(index=10 + p, input_ids=[p])
+        gens = [Generation(99, [p], [j] * (p + 1), [0.0] * (p + 1), "length") for j in range(3)]
+        values = [10.0 * p + j for j in range(3)]
+        chosen.append(Group(prompt, gens, values, [ScoreResult(v) for v in values], [0.0] * 3))
+    seen = []
+    for rank in range(2):
+        inner = _Inner(PromptSampler(12, 4))
+        inner.groups.dims.dp, inner.groups.dp_rank = 2, rank
+        prompts, gens, scores = DynamicSamplingSource(inner, cfg)._share(chosen, shaped=False)
+        assert len(prompts) == 2 and len(gens) == 6 and scores.penalties == []
+        for x, v in zip(gens, scores.values):
+            p = prompts[x.prompt_index].index - 10  # the sample sits with its own prompt and score
+            assert x.prompt_ids == [p] and len(x.response_ids) == p + 1 and int(v // 10) == p
+        seen += [p.index for p in prompts]
+    assert sorted(seen) == [10, 11, 12, 13]
