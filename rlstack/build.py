@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megatron_bridge.parallel import ParallelGroups
-from rlstack.config import ExperimentConfig
+from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.workers.actor import Actor
 from rlstack.workers.critic import Critic
 from rlstack.workers.megatron_role import MegatronRole, OptimSettings, warmup_steps
@@ -201,7 +201,8 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
     critic_role = parts.critic.role if parts.critic is not None else None
     # offload: states to host in the phases that do not use them
     phases = Phases(Offloader.from_config(cfg, parts.actor.role, critic_role, parts.ref, parts.engine))
-    scoring = Scoring(parts.scorer, parts.tokenizer, parts.reward_model, groups)
+    overlong = (cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)  # DAPO's overlong shaping (training)
+    scoring = Scoring(parts.scorer, parts.tokenizer, parts.reward_model, groups, overlong)
     mbs, temperature = cfg.algorithm.micro_batch_size, cfg.rollout.temperature
     forwards = ScoreForwards(parts.actor, parts.ref, parts.critic, mbs, temperature, phases.offload)
     data = (parts.train_set, parts.sampler, parts.tokenizer, scoring)
@@ -209,4 +210,12 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
         source = SplitSource(cfg, groups, parts.split, *data, forwards)
     else:
         source = ColocatedSource(cfg, groups, parts.engine, parts.weight_sync, parts.actor, *data, phases)
+        if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
+            from rlstack.step.dynamic import DynamicSamplingSource
+
+            source = DynamicSamplingSource(source, cfg)
+    if adv_estimator(cfg) == "remax":  # one greedy generation per prompt: ReMax's baseline
+        from rlstack.step.remax import RemaxBaselineSource
+
+        source = RemaxBaselineSource(source, groups, scoring)
     return StepParts(phases, scoring, forwards, source)

@@ -187,15 +187,18 @@ class PolicyLossParams:
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling (verl's algorithm.filter_groups): drop the prompts whose samples all
-    scored the same (no group-relative signal) and generate more until data.train_batch_size remain.
-    Accepted and validated; the trainer does not apply it yet (preflight warns)."""
+    scored the same (no group-relative signal) and generate more until data.train_batch_size remain
+    (rlstack/step/dynamic.py; colocated placement only)."""
 
     enable: bool = False
-    # what must vary within a group: acc (the reward function's "acc" key; its score when it returns
-    # a number, as verl), score (the task score), seq_reward (the reward trained on before any KL
-    # penalty: score + overlong penalty; verl 0.9.1's default "reward")
+    # what must vary within a group: acc (the reward function's "acc" extra when it returns one, as
+    # verl; else score >= 1, as val/accuracy), score (the task score), seq_reward (the reward trained
+    # on before any KL penalty: score + overlong penalty; verl 0.9.1's default "reward")
     metric: str = "seq_reward"
     max_num_gen_batches: int = 0  # generation rounds per step at most; 0: no limit
+    # short of groups after max_num_gen_batches rounds: stop (verl: the run ends with a message naming
+    # the fix) | train (the kept groups topped up with dropped, constant ones to a full batch)
+    on_cap: str = "stop"
 
 
 @dataclass
@@ -203,8 +206,9 @@ class AlgorithmConfig:
     """PPO / GRPO maths (functions in rlstack.algorithms, chosen by name)."""
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
-    # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo (remax and
-    # optimal_token_baseline: refused until the trainer provides their inputs); "": gae (ppo), grpo (grpo)
+    # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo | remax (a greedy
+    # generation per prompt as baseline; optimal_token_baseline: refused until the trainer provides its
+    # inputs); "": gae (ppo), grpo (grpo)
     adv_estimator: str = ""
     gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: the reward function's component keys
     gdpo_reward_weights: list[float] = field(default_factory=list)  # gdpo: one weight per key; []: all 1
@@ -407,6 +411,7 @@ CHOICES = {
     "algorithm.adv_estimator": ("",) + algorithm_names.ADVANTAGE_ESTIMATORS,
     "algorithm.policy_loss": algorithm_names.POLICY_LOSSES,
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
+    "algorithm.filter_groups.on_cap": ("stop", "train"),
     "algorithm.loss_agg_mode": algorithm_names.LOSS_AGG_MODES,
     "algorithm.kl_loss_type": algorithm_names.KL_ESTIMATORS,
     "algorithm.kl_penalty": algorithm_names.KL_ESTIMATORS,

@@ -274,7 +274,6 @@ def check_reward(cfg, data_sources: list) -> None:
 
 # Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks.
 _NEEDS_TRAINER = {
-    "remax": "a greedy rollout of every prompt as its baseline (compute_advantages' reward_baselines)",
     "optimal_token_baseline": (
         "sum_pi_squared, the sum over the vocabulary of each token's squared probability, from the actor's forward"
     ),
@@ -357,13 +356,16 @@ def _check_dapo(cfg, log) -> None:
             )
         if o.penalty_factor < 0:
             raise UserError(f"reward.overlong_buffer.penalty_factor is {o.penalty_factor}: it must be >= 0")
-        log.warning("reward.overlong_buffer: not applied by the trainer yet (rlstack/rewards/overlong.py has the call)")
     if f.max_num_gen_batches < 0:
         raise UserError(
             f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"
         )
-    if f.enable:
-        log.warning("algorithm.filter_groups.enable: dynamic sampling is not applied by the trainer yet")
+    if f.enable and cfg.placement.rollout_ranks > 0:
+        raise UserError(
+            "algorithm.filter_groups.enable with placement.rollout_ranks > 0: the split source requests one "
+            "batch a step (staleness 1 a step ahead, scoring streamed), with no place for further generation "
+            "rounds; use colocated placement (placement.rollout_ranks=0) for dynamic sampling"
+        )
 
 
 # ----------------------------------------------------------------------------- output directory

@@ -187,6 +187,8 @@ class Trainer:
         inputs = dict(token_rewards=token_rewards)
         if estimator == "gae":
             inputs["values"] = rollout.old_values[:n]
+        if estimator == "remax":  # the greedy responses' rewards (rlstack/step/remax.py)
+            inputs["reward_baselines"] = rollout.reward_baselines[:n]
         adv, returns = compute_advantages(
             estimator,
             mask=mask,

@@ -293,7 +293,6 @@ ESTIMATORS = {
 }
 # Estimators rlstack registers but whose inputs its trainer does not produce yet (preflight refuses them).
 ESTIMATORS_NOT_RUNNABLE = {
-    "remax": "needs a greedy rollout per prompt as its baseline, which rlstack does not generate yet",
     "optimal_token_baseline": "needs sum_pi_squared from the actor's forward, which rlstack does not compute yet",
 }
 FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "reward": "seq_reward"}

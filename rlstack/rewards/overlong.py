@@ -7,11 +7,10 @@ added to its score: 0 up to L_max - len, then linear down to -penalty_factor at 
 DAPO reward manager (verl 0.9.1 `workers/reward_manager/dapo.py`), the line is not capped past
 L_max (the engines stop at L_max, so no response gets there). Pure Python.
 
-What the trainer needs (rlstack/trainer.py; training scores only, validation keeps task scores):
-    self.overlong = OverlongShaping(cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)  # __init__
-    scores = self.overlong(scores, [len(x.response_ids) for x in gens])  # _rewards, when over_dp (training)
-    metrics.update(self.overlong.metrics(lambda v: collectives.sum_floats(v, g.dp, g.device)))  # step end
-`_rewards` runs once per streamed part in split placement: the shaper sums over the calls of a step.
+Where it runs: `rlstack.step.scoring.Scoring.score` shapes the training scores (over_dp; validation
+keeps the task scores) with `shape_scores` and keeps each response's penalty in `Scores.penalties`;
+`Scoring.metrics` logs `overlong_metrics` of their sums over the DP ranks. `OverlongShaping` is the
+same as a stateful object (sums over the calls of a step).
 """
 
 from __future__ import annotations

@@ -28,26 +28,52 @@ class Scores:
     values: list[float]  # the reward of each generation (rule/custom, plus weight x RM score)
     results: list = field(default_factory=list)  # rlstack.rewards.ScoreResult of each (reward_extra/*)
     rm_metrics: dict = field(default_factory=dict)  # reward/rm_* with a reward model, else empty
+    penalties: list = field(default_factory=list)  # the overlong penalty in each value (training; else empty)
 
 
 class Scoring:
-    """Rule / custom reward, and the reward model when there is one."""
+    """Rule / custom reward, the reward model when there is one, and DAPO's overlong shaping of
+    training rewards (`overlong`: (config.OverlongBufferConfig, rollout.max_new_tokens), or None)."""
 
-    def __init__(self, scorer, tokenizer, reward_model, groups: ParallelGroups):
+    def __init__(self, scorer, tokenizer, reward_model, groups: ParallelGroups, overlong=None):
         self.scorer, self.tokenizer, self.reward_model, self.groups = scorer, tokenizer, reward_model, groups
+        self.overlong = overlong
 
     def score(self, prompts: list, gens: list, over_dp: bool = True) -> Scores:
         """Each generation's reward. `over_dp`: the DP ranks hold different samples (training), so
-        the reward model's normalisation and metrics reduce over them."""
+        the reward model's normalisation and metrics reduce over them, and the overlong penalty is
+        added (validation, over_dp False, keeps the task scores)."""
         if self.reward_model is None:
             results = stages.score(self.scorer, self.tokenizer, prompts, gens)
-            return Scores([r.score for r in results], results)
-        out = self.reward_model.rewards(self.scorer, self.tokenizer, prompts, gens, over_dp=over_dp)
-        return Scores(out.scores, out.results, out.metrics)
+            scores = Scores([r.score for r in results], results)
+        else:
+            out = self.reward_model.rewards(self.scorer, self.tokenizer, prompts, gens, over_dp=over_dp)
+            scores = Scores(out.scores, out.results, out.metrics)
+        if over_dp and self._overlong_on():
+            from rlstack.rewards.overlong import shape_scores
+
+            cfg, max_length = self.overlong
+            lengths = [len(x.response_ids) for x in gens]  # eos included, as verl's valid_response_length
+            scores.values, scores.penalties = shape_scores(scores.values, lengths, cfg, max_length)
+        return scores
 
     def metrics(self, scores: Scores, over_dp: bool) -> dict:
-        """`reward_extra/<key>` (custom reward function's numeric extras) and the reward model's reward/rm_*."""
-        return {**self._extra_metrics(scores, over_dp), **scores.rm_metrics}
+        """`reward_extra/<key>` (custom reward function's numeric extras), the reward model's reward/rm_*,
+        and (training) reward/overlong_penalty and reward/overlong_frac, apart from the task reward."""
+        return {**self._extra_metrics(scores, over_dp), **scores.rm_metrics, **self._overlong_metrics(scores, over_dp)}
+
+    def _overlong_on(self) -> bool:
+        return self.overlong is not None and self.overlong[0].enable
+
+    def _overlong_metrics(self, scores: Scores, over_dp: bool) -> dict:
+        """The mean penalty (included in reward/mean) and the share penalised, over every DP rank's batch."""
+        if not over_dp or not self._overlong_on():
+            return {}
+        from rlstack import collectives
+        from rlstack.rewards.overlong import overlong_metrics, overlong_sums
+
+        g = self.groups
+        return overlong_metrics(collectives.sum_floats(overlong_sums(scores.penalties), g.dp, g.device))
 
     def _extra_metrics(self, scores: Scores, over_dp: bool) -> dict:
         """Means of the custom reward function's numeric extra dict keys (and the share of calls past

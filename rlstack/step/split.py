@@ -123,6 +123,7 @@ class SplitSource:
         prompts = [global_prompts[i] for i in share]
         req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step)
         every, parts, results, busy = [], [], [], 0.0
+        penalties = []  # overlong penalties in arrival order (only their sums are logged)
         for chunk in self.client.stream(req):
             t0 = time.perf_counter()
             every += chunk
@@ -132,6 +133,7 @@ class SplitSource:
             if mine:
                 scores = self.scoring.score(prompts, mine)
                 results += scores.results
+                penalties += scores.penalties
                 part = self._build_rollout(prompts, mine, scores.values)
                 self.forwards.fill(part)
                 parts.append((mine, scores.values, part))
@@ -145,7 +147,7 @@ class SplitSource:
         rollout = self._build_rollout(prompts, gens, values)
         fill_from_parts(rollout, gens, parts)
         batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
-        scores = Scores(values, results)  # results in arrival order (reward_extra/* sums them)
+        scores = Scores(values, results, penalties=penalties)  # results in arrival order (reward_extra/* sums them)
         return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
 
 

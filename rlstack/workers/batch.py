@@ -73,6 +73,7 @@ class Rollout:
     old_values: Optional[torch.Tensor] = None  # [B', S]
     advantages: Optional[torch.Tensor] = None  # [B', S]
     returns: Optional[torch.Tensor] = None  # [B', S]
+    reward_baselines: Optional[torch.Tensor] = None  # [B'] remax: the prompt's greedy reward (rlstack/step/remax.py)
 
     _ROW_FIELDS = (
         "tokens",

@@ -95,7 +95,6 @@ def test_every_new_loss_and_estimator_name_validates():
             ["algorithm.policy_loss=kl_cov", "algorithm.policy_loss_params.ppo_kl_coef=-1"],
             "ppo_kl_coef is -1.0 .* >= 0",
         ),
-        (["algorithm.adv_estimator=remax"], "remax needs a greedy rollout of every prompt"),
         (["algorithm.adv_estimator=optimal_token_baseline"], "needs sum_pi_squared"),
         (
             ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"],
@@ -116,6 +115,10 @@ def test_every_new_loss_and_estimator_name_validates():
             "penalty_factor is -1.0",
         ),
         (["algorithm.filter_groups.max_num_gen_batches=-1"], "max_num_gen_batches is -1"),
+        (
+            ["algorithm.filter_groups.enable=true", "placement.rollout_ranks=1"],
+            "use colocated placement \\(placement.rollout_ranks=0\\) for dynamic sampling",
+        ),
     ],
 )
 def test_one_line_errors(overrides, message):
@@ -138,8 +141,8 @@ def test_warnings_for_settings_without_effect(caplog):
     text = caplog.text
     assert "tau_pos has no effect with policy_loss=cispo" in text
     assert "policy_loss=sapo aggregates seq-mean-token-mean" in text
-    assert "dynamic sampling is not applied by the trainer yet" in text
-    assert "reward.overlong_buffer: not applied by the trainer yet" in text
+    # overlong shaping (rlstack/step/scoring.py) and dynamic sampling (rlstack/step/dynamic.py) are live
+    assert "reward.overlong_buffer" not in text and "filter_groups" not in text
 
 
 def test_filter_groups_keys_are_accepted():
@@ -152,6 +155,10 @@ def test_filter_groups_keys_are_accepted():
     assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "acc")
     with pytest.raises(ConfigError, match="'algorithm.filter_groups.metric' is 'reward'"):
         cfg_of("algorithm.filter_groups.metric=reward")
+    assert cfg.algorithm.filter_groups.on_cap == "stop"  # verl's behaviour at the cap
+    assert cfg_of("algorithm.filter_groups.on_cap=train").algorithm.filter_groups.on_cap == "train"
+    with pytest.raises(ConfigError, match="on_cap"):
+        cfg_of("algorithm.filter_groups.on_cap=skip")
 
 
 def test_the_dapo_recipe_config_validates():

@@ -150,7 +150,7 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
             "--out",
             str(out),
             "--strict",
-            "algorithm.adv_estimator=remax",
+            "algorithm.adv_estimator=optimal_token_baseline",
             "actor_rollout_ref.actor.fsdp_config.param_offload=True",
             "trainer.logger=[console,swanlab]",
             "data.truncation=left",
@@ -161,7 +161,7 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
     text = out.read_text()
     err = capsys.readouterr().err
     for item in (
-        "algorithm.adv_estimator=remax",
+        "algorithm.adv_estimator=optimal_token_baseline",
         "trainer.logger=swanlab",
         "data.truncation=left",
     ):
