@@ -41,9 +41,9 @@ class Scoring:
         the reward model's normalisation and metrics reduce over them."""
         if self.reward_model is None:
             results = stages.score(self.scorer, self.tokenizer, prompts, gens)
-            return Scores([r.score for r in results], results)
+            return Scores(stages.agent_rewards(gens, [r.score for r in results]), results)
         out = self.reward_model.rewards(self.scorer, self.tokenizer, prompts, gens, over_dp=over_dp)
-        return Scores(out.scores, out.results, out.metrics)
+        return Scores(stages.agent_rewards(gens, out.scores), out.results, out.metrics)
 
     def metrics(self, scores: Scores, over_dp: bool) -> dict:
         """`reward_extra/<key>` (custom reward function's numeric extras) and the reward model's reward/rm_*."""
