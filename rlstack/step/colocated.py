@@ -54,7 +54,8 @@ class ColocatedSource:
         pad, mbs = self.tokenizer.pad_token_id, cfg.algorithm.micro_batch_size
         rollout = stages.build_rollout(prompts, gens, scores.values, pad, mbs, g.device, on_policy=self.on_policy)
         timings["timing/score_s"] = time.perf_counter() - t0
-        counters.update(self._agent_records(step, global_gens, prompts, gens, scores.values))
+        # the file and its "step" are the logged (1-based) step, as verl's global_steps
+        counters.update(self._agent_records(step + 1, global_gens, prompts, gens, scores.values))
         return StepBatch(prompts, gens, scores, rollout, sync, gen_tokens, timings, counters)
 
     def _agent_records(self, step: int, global_gens: list, prompts: list, gens: list, scores: list) -> dict:
