@@ -121,3 +121,16 @@ def test_single_turn_without_agent_rows_keeps_the_engine_path(model_dir, tok):
     assert routing.for_prompts(prompts) is None and routing.driver is None
     prompts[2].agent_name = "single_turn"  # a row naming its loop goes through the driver
     assert routing.for_prompts(prompts) is not None
+
+
+def test_agent_loops_with_split_placement_are_refused_at_preflight_in_one_line():
+    from rlstack.agent.setup import check_agent_config
+    from rlstack.config import PlacementConfig
+    from rlstack.errors import UserError
+
+    cfg = SimpleNamespace(rollout=RolloutConfig(agent_loop="tool_agent"), placement=PlacementConfig(rollout_ranks=1))
+    with pytest.raises(UserError, match=r"placement.rollout_ranks=1.*set placement.rollout_ranks=0") as e:
+        check_agent_config(cfg)
+    assert "\n" not in str(e.value)
+    check_agent_config(SimpleNamespace(rollout=RolloutConfig(), placement=PlacementConfig(rollout_ranks=1)))
+    check_agent_config(SimpleNamespace(rollout=RolloutConfig(agent_loop="tool_agent"), placement=PlacementConfig()))
