@@ -7,6 +7,8 @@ On one gloo rank with the tiny Llama:
 - one SGD step of `Actor.update` (policy loss, entropy bonus, KL loss, off-policy ratio): perturbing
   the inserted tokens' advantages, old / reference / engine log-probs moves the weights exactly as
   before; perturbing one policy token's advantage moves them differently;
+- one SGD step of `Critic.update`: perturbing the inserted tokens' returns and old values moves
+  the critic exactly as before; one policy token's return moves it differently;
 - GAE's advantages and returns on the policy tokens ignore the values and rewards at inserted
   tokens; `actor/rollout_diff_max` ignores engine log-probs at inserted tokens.
 TP1 only (the Rollout is built the same way on every TP/PP rank of a DP rank).
@@ -80,6 +82,45 @@ def test_inserted_tokens_move_no_weight_and_policy_tokens_do(tiny_llama):
     assert out["base"].abs().max() > 0
     assert torch.equal(out["inserted"], out["base"]), "a perturbation on inserted tokens changed the update"
     assert (out["policy"] - out["base"]).abs().max() > 1e-6, "a policy token's advantage must move the weights"
+
+
+def _critic_move(hf_dir, groups, perturb: str):
+    """One SGD step of a fresh critic (clipped value loss) with one field perturbed: the weights' move."""
+    from rlstack.config import AlgorithmConfig
+    from rlstack.workers.critic import Critic
+    from rlstack.workers.megatron_role import MegatronRole, OptimSettings
+
+    torch.manual_seed(0)
+    sgd = OptimSettings(optimizer="sgd", lr=0.05, clip_grad=0.0)
+    role = MegatronRole(hf_dir, groups, torch.float32, value_head=True, optim=sgd)
+    rollout, inserted, gen = _rollout(role.args.vocab_size)
+    critic = Critic(role, AlgorithmConfig(value_clip=0.2))
+    rollout.old_values = critic.compute_values(rollout, 2)
+    rollout.returns = rollout.old_values + torch.randn(rollout.old_values.shape, generator=gen) * rollout.resp_mask
+    noise = torch.randn(rollout.old_values.shape, generator=gen) * 3.0 * inserted
+    if perturb == "inserted":
+        rollout.returns = rollout.returns + noise
+        rollout.old_values = rollout.old_values + noise
+    elif perturb == "policy":
+        rollout.returns[0, 4] += 1.0
+    before = torch.cat([p.detach().flatten() for p in role.module.parameters()])
+    counts = {"global_num_tokens": float(rollout.resp_mask.sum()), "global_num_seqs": 4.0}
+    critic.update(rollout, counts, 2)
+    return torch.cat([p.detach().flatten() for p in role.module.parameters()]) - before
+
+
+def _critic_runs(hf_dir):
+    from megatron_bridge.parallel import init_distributed
+
+    groups = init_distributed(1, 1)
+    return {k: _critic_move(hf_dir, groups, k) for k in ("base", "inserted", "policy")}
+
+
+def test_value_loss_ignores_inserted_tokens(tiny_llama):
+    out = run_distributed(_critic_runs, 1, tiny_llama)[0]
+    assert out["base"].abs().max() > 0
+    assert torch.equal(out["inserted"], out["base"]), "a return or value on inserted tokens changed the critic"
+    assert (out["policy"] - out["base"]).abs().max() > 1e-6, "a policy token's return must move the critic"
 
 
 def test_mask_zero_exactly_on_inserted_and_gae_and_agreement_ignore_them():
