@@ -45,14 +45,14 @@ class RunData:
 def build_data(cfg, groups: ParallelGroups) -> RunData:
     """The config's model directory, tokenizer, datasets and sampler, as the trainer and the benchmarks use them."""
     from megatron_bridge.hf import resolve_model_path
+    from rlstack.agent.setup import check_agent_rows, prompt_tool_schemas
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
 
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = load_tokenizer(hf_dir)
-    from rlstack.agent.setup import prompt_tool_schemas
-
     train_set, val_set = build_datasets(cfg.data, tokenizer, prompt_tool_schemas(cfg.rollout) or None)
+    check_agent_rows(cfg, train_set, val_set)
     d = cfg.data
     sampler = PromptSampler(
         len(train_set),

@@ -36,6 +36,20 @@ def check_agent_config(cfg) -> None:
         )
 
 
+def check_agent_rows(cfg, *datasets) -> None:
+    """Rows naming a loop (`agent_name`) need the colocated placement too (the data is only known once built)."""
+    if cfg.placement.rollout_ranks <= 0:
+        return
+    for dataset in datasets:
+        named = sorted({p.agent_name for p in (dataset.prompts if dataset is not None else []) if p.agent_name})
+        if named:
+            raise UserError(
+                f"data rows name agent loops (agent_name: {', '.join(named)}) with placement.rollout_ranks="
+                f"{cfg.placement.rollout_ranks}: the split placement's rollout ranks do not run agent loops yet: "
+                "set placement.rollout_ranks=0 (colocated) or drop the agent_name column"
+            )
+
+
 def _tool_paths(rollout_cfg) -> list[str]:
     mt = rollout_cfg.multi_turn
     return [p for p in (mt.tool_config_path, mt.function_tool_path) if p]

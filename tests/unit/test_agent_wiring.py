@@ -134,3 +134,18 @@ def test_agent_loops_with_split_placement_are_refused_at_preflight_in_one_line()
     assert "\n" not in str(e.value)
     check_agent_config(SimpleNamespace(rollout=RolloutConfig(), placement=PlacementConfig(rollout_ranks=1)))
     check_agent_config(SimpleNamespace(rollout=RolloutConfig(agent_loop="tool_agent"), placement=PlacementConfig()))
+
+
+def test_rows_naming_loops_with_split_placement_are_refused(tok):
+    from rlstack.agent.setup import check_agent_rows
+    from rlstack.config import PlacementConfig
+    from rlstack.errors import UserError
+
+    prompts = _prompts(tok)
+    data = SimpleNamespace(prompts=prompts)
+    split = SimpleNamespace(placement=PlacementConfig(rollout_ranks=1))
+    check_agent_rows(split, data, None)  # no row names a loop
+    prompts[1].agent_name = "tool_agent"
+    with pytest.raises(UserError, match=r"agent_name: tool_agent\) with placement.rollout_ranks=1"):
+        check_agent_rows(split, None, data)
+    check_agent_rows(SimpleNamespace(placement=PlacementConfig()), data)
