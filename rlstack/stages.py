@@ -45,12 +45,14 @@ class RunData:
 def build_data(cfg, groups: ParallelGroups) -> RunData:
     """The config's model directory, tokenizer, datasets and sampler, as the trainer and the benchmarks use them."""
     from megatron_bridge.hf import resolve_model_path
+    from rlstack.agent.setup import check_agent_rows, prompt_tool_schemas
     from rlstack.data.dataset import build_datasets
     from rlstack.data.sampler import PromptSampler
 
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = load_tokenizer(hf_dir)
-    train_set, val_set = build_datasets(cfg.data, tokenizer)
+    train_set, val_set = build_datasets(cfg.data, tokenizer, prompt_tool_schemas(cfg.rollout) or None)
+    check_agent_rows(cfg, train_set, val_set)
     d = cfg.data
     sampler = PromptSampler(
         len(train_set),
@@ -91,12 +93,15 @@ def generate(
     step: int,
     greedy: bool,
     show_progress: bool = False,
+    agent=None,
 ) -> tuple[list[Generation], float]:
     """Generate for `prompts` (the same list on every rank), the work split over all ranks.
 
     Each rollout replica (one engine, spanning rollout.tp ranks for vLLM TP) takes a contiguous share,
     so the samples do not depend on the training layout. Returns every replica's generations, with
     `prompt_index` into `prompts`, in prompt order on every rank; and the tokens generated in all.
+    `agent` (an rlstack.agent.driver.AgentRollout over `engine`): each chunk goes through the agent
+    driver instead (multi-turn; the Generations carry `response_mask` and the `AgentSample`).
     """
     mine = replica_share(len(prompts), cfg, groups)
     params = sampling_params(cfg, step, greedy)
@@ -108,12 +113,37 @@ def generate(
         rank=groups.rank,
         unit="batch",
     ):
-        local = engine.generate([prompts[i].input_ids for i in chunk], params)
+        ids = [prompts[i].input_ids for i in chunk]
+        if agent is None:
+            local = engine.generate(ids, params)
+        else:
+            local = agent_generations(agent.generate(ids, [agent_row(prompts[i]) for i in chunk], params), params.n)
         gens += [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
     if groups.rank % cfg.tp:
         gens = []  # the replica's first rank reports for the whole replica
     gens = gather_objects(gens, groups.world, groups.dims.world_size)
     return gens, float(sum(len(x.response_ids) for x in gens))
+
+
+def agent_row(prompt) -> dict:
+    """A Prompt as the data row an agent loop sees (`ctx.row`; `agent_name` picks the loop)."""
+    return {
+        "data_source": prompt.data_source,
+        "reward_model": {"ground_truth": prompt.ground_truth},
+        "extra_info": prompt.extra_info,
+        "agent_name": prompt.agent_name,
+        "index": prompt.index,
+    }
+
+
+def agent_generations(samples: list, n: int) -> list[Generation]:
+    """AgentSamples (n per prompt, prompt-major) as Generations carrying their mask and the sample."""
+    from rlstack.rollout.base import Generation
+
+    return [
+        Generation(i // n, s.prompt_ids, s.response_ids, s.logprobs, s.finish_reason, list(s.response_mask), s)
+        for i, s in enumerate(samples)
+    ]
 
 
 def _chunks(items: list, n: int, cfg: RolloutConfig) -> list[list]:
@@ -169,12 +199,29 @@ def score(scorer, tokenizer, prompts: list, gens: list[Generation]) -> list:
             prompts[g.prompt_index].data_source,
             tokenizer.decode(g.response_ids, skip_special_tokens=True),
             prompts[g.prompt_index].ground_truth,
-            prompts[g.prompt_index].extra_info,
+            agent_extra_info(prompts[g.prompt_index].extra_info, g),
             row=prompts[g.prompt_index].index,
         )
         for g in gens
     ]
     return scorer.score_batch(samples)
+
+
+def agent_extra_info(extra_info: dict, gen: Generation) -> dict:
+    """The row's extra_info, with the agent loop's `extra` under "agent" for an agent sample."""
+    if getattr(gen, "agent", None) is None:
+        return extra_info
+    from rlstack.agent.records import reward_extra_info
+
+    return reward_extra_info(extra_info, gen.agent)
+
+
+def agent_rewards(gens: list[Generation], values: list[float]) -> list[float]:
+    """A loop's own reward (AgentSample.reward, when not None) replaces the scored value."""
+    return [
+        float(g.agent.reward) if getattr(g, "agent", None) is not None and g.agent.reward is not None else v
+        for g, v in zip(gens, values)
+    ]
 
 
 def build_rollout(
@@ -197,4 +244,5 @@ def build_rollout(
         micro_batch_size,
         device,
         on_policy,
+        loss_masks=[g.response_mask for g in gens],
     )

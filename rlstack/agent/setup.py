@@ -15,6 +15,7 @@ from rlstack.agent.driver import AgentRollout
 from rlstack.agent.registry import LoopSet, check_loop_name
 from rlstack.agent.render import TurnRenderer
 from rlstack.agent.tools import check_tools, load_tools
+from rlstack.errors import UserError
 
 
 def uses_agent_loops(rollout_cfg) -> bool:
@@ -26,6 +27,27 @@ def check_agent_config(cfg) -> None:
     """Preflight: rollout.agent_loop names a loop that loads; the configured tools load."""
     check_loop_name(cfg.rollout.agent_loop)
     check_tools(cfg.rollout.multi_turn)
+    if uses_agent_loops(cfg.rollout) and cfg.placement.rollout_ranks > 0:
+        raise UserError(
+            f"rollout.agent_loop={cfg.rollout.agent_loop!r} (or rollout.multi_turn tools) with "
+            f"placement.rollout_ranks={cfg.placement.rollout_ranks}: the split placement's rollout ranks do not "
+            "run agent loops yet (no agent driver on the rollout-only ranks, no response_mask in its hand-off): "
+            "set placement.rollout_ranks=0 (colocated)"
+        )
+
+
+def check_agent_rows(cfg, *datasets) -> None:
+    """Rows naming a loop (`agent_name`) need the colocated placement too (the data is only known once built)."""
+    if cfg.placement.rollout_ranks <= 0:
+        return
+    for dataset in datasets:
+        named = sorted({p.agent_name for p in (dataset.prompts if dataset is not None else []) if p.agent_name})
+        if named:
+            raise UserError(
+                f"data rows name agent loops (agent_name: {', '.join(named)}) with placement.rollout_ranks="
+                f"{cfg.placement.rollout_ranks}: the split placement's rollout ranks do not run agent loops yet: "
+                "set placement.rollout_ranks=0 (colocated) or drop the agent_name column"
+            )
 
 
 def _tool_paths(rollout_cfg) -> list[str]:

@@ -125,8 +125,11 @@ def _tokenize(tokenizer: Any, messages: list[dict], origin: str, tools: Optional
 # ----------------------------------------------------------------------------- building
 
 
-def build_datasets(data_cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[PromptDataset]]:
+def build_datasets(
+    data_cfg: Any, tokenizer: Any, tools: Optional[list[dict]] = None
+) -> tuple[PromptDataset, Optional[PromptDataset]]:
     """(train, val or None): files when data.train_files is set, else the synthetic task.
+    `tools`: tool schemas rendered into every prompt (rlstack.agent.setup.prompt_tool_schemas).
 
     data.val_files, when set, is the val set in both cases; otherwise the synthetic task's val
     split (data.synthetic_val_size prompts; 0 means no val set).
@@ -147,8 +150,8 @@ def build_datasets(data_cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Option
         val_rows = _synthetic_rows(data_cfg, "val", data_cfg.synthetic_val_size)
     else:
         val_rows = []
-    train = _build(train_rows, tokenizer, data_cfg, "train")
-    val = _build(val_rows, tokenizer, data_cfg, "val") if val_rows else None
+    train = _build(train_rows, tokenizer, data_cfg, "train", tools)
+    val = _build(val_rows, tokenizer, data_cfg, "val", tools) if val_rows else None
     return train, val
 
 
@@ -156,10 +159,11 @@ def _synthetic_rows(data_cfg: Any, split: str, n: int) -> list[dict]:
     return synthetic.make_rows(data_cfg.synthetic, n, data_cfg.seed, split, data_cfg.synthetic_max_operand)
 
 
-def _build(rows: list[dict], tokenizer: Any, data_cfg: Any, name: str) -> PromptDataset:
-    dataset = PromptDataset(
-        rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation, data_cfg.system_prompt, data_cfg.prompt_key
-    )
+def _build(
+    rows: list[dict], tokenizer: Any, data_cfg: Any, name: str, tools: Optional[list[dict]] = None
+) -> PromptDataset:
+    d = data_cfg
+    dataset = PromptDataset(rows, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt, d.prompt_key, tools)
     if dataset.num_dropped:
         logger.warning(
             "%s set: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # keep `import rlstack.rollout.interface` free of torch
     import torch
@@ -61,6 +61,10 @@ class Generation:
     response_ids: list[int]  # ends at and includes eos when finish_reason == "stop"
     logprobs: list[float]  # one per response token, of softmax(logits / temperature) (module docstring)
     finish_reason: str  # "stop" (eos) | "length" (max_new_tokens)
+    # agent loops (rlstack.agent): 1 where the policy generated response token i, 0 where the loop
+    # inserted it (only mask-1 tokens train); None: every response token is the policy's
+    response_mask: Optional[list[int]] = None
+    agent: Optional[Any] = None  # the rlstack.agent.driver.AgentSample behind it (reward, extra, turns)
 
 
 class RolloutEngine(ABC):

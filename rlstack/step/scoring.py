@@ -45,10 +45,10 @@ class Scoring:
         added (validation, over_dp False, keeps the task scores)."""
         if self.reward_model is None:
             results = stages.score(self.scorer, self.tokenizer, prompts, gens)
-            scores = Scores([r.score for r in results], results)
+            scores = Scores(stages.agent_rewards(gens, [r.score for r in results]), results)
         else:
             out = self.reward_model.rewards(self.scorer, self.tokenizer, prompts, gens, over_dp=over_dp)
-            scores = Scores(out.scores, out.results, out.metrics)
+            scores = Scores(stages.agent_rewards(gens, out.scores), out.results, out.metrics)
         if over_dp and self._overlong_on():
             from rlstack.rewards.overlong import shape_scores
 

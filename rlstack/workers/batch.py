@@ -61,7 +61,7 @@ class Rollout:
 
     tokens: torch.Tensor  # [B', S] right-padded prompt + response
     position_ids: torch.Tensor  # [B', S]
-    resp_mask: torch.Tensor  # [B', S] 1 on response tokens
+    resp_mask: torch.Tensor  # [B', S] 1 on response tokens the policy generated (agent loops: not inserted ones)
     scores: torch.Tensor  # [B'] sequence rewards
     group_ids: torch.Tensor  # [B'] prompt index of each sample (its GRPO group); -1 on filler rows
     rollout_logprob: torch.Tensor  # [B', S] the engine's log-probs of the sampled tokens
@@ -101,10 +101,18 @@ class Rollout:
         micro_batch_size: int,
         device,
         on_policy: bool,
+        loss_masks: Optional[list] = None,
     ) -> Rollout:
-        """Padded tensors from per-sample lists (prompt ids, response ids, engine log-probs, score, group)."""
+        """Padded tensors from per-sample lists (prompt ids, response ids, engine log-probs, score, group).
+
+        `loss_masks[i]` (agent loops; None or a None entry: all ones) is ANDed into row i's response
+        mask: a token a loop inserted (0) is in the sequence, but no loss, KL, advantage, value loss
+        or engine-agreement metric reads it, and the score sits on the last policy token."""
         t = make_batch(prompt_ids, response_ids, pad_id, micro_batch_size, device)
         rows = t["tokens"].shape[0]
+        for row, (p, m) in enumerate(zip(prompt_ids, loss_masks or [])):
+            if m is not None:
+                t["resp_mask"][row, len(p) : len(p) + len(m)] *= torch.tensor(m, dtype=torch.float32, device=device)
         rollout_lp = torch.zeros_like(t["resp_mask"])
         for row, (p, r, lps) in enumerate(zip(prompt_ids, response_ids, logprobs)):
             rollout_lp[row, len(p) : len(p) + len(r)] = torch.tensor(lps, dtype=torch.float32)
