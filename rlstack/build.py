@@ -101,9 +101,12 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
             zero_copy=cfg.rollout.zero_copy,
         )
         if actor.role.lora is not None:  # the frozen base once, then the adapters only
-            from rlstack.rollout.lora_sync import LoraWeightSync
+            from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
 
-            weight_sync = LoraWeightSync(weight_sync, actor.role, groups, engine)
+            if hasattr(engine, "set_adapters"):
+                weight_sync = LoraWeightSync(weight_sync, actor.role, groups, engine)
+            else:
+                weight_sync = MergedLoraSync(weight_sync, actor.role, groups)
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
     return TrainerParts(

@@ -119,11 +119,6 @@ def _check_lora_rollout(cfg) -> None:
             f"model.lora.rank={cfg.model.lora.rank} with placement.rollout_ranks={cfg.placement.rollout_ranks}: "
             "the split sync does not send adapters yet; set placement.rollout_ranks=0 (colocated) or model.lora.rank=0"
         )
-    if cfg.rollout.engine != "hf":
-        raise UserError(
-            f"model.lora.rank={cfg.model.lora.rank} with rollout.engine={cfg.rollout.engine}: the adapters reach "
-            "the hf engine only so far; set rollout.engine=hf or model.lora.rank=0"
-        )
 
 
 def _check_lora_shape(key: str, lora, args, ep: int) -> None:

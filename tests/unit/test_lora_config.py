@@ -74,6 +74,8 @@ def test_settings_lora_cannot_combine_with(tmp_path):
         check_lora(_cfg("algorithm.name=grpo", "critic.lora.rank=4"))
     with pytest.raises(UserError, match="offload.reference=true with model.lora.*set offload.reference=false"):
         check_lora(_cfg("model.lora.rank=4", "offload.reference=true"))
+    with pytest.raises(UserError, match="placement.rollout_ranks=1: the split sync does not send adapters"):
+        check_lora(_cfg("model.lora.rank=4", "placement.rollout_ranks=1"))
     moe = dict(
         FULL,
         architectures=["Qwen3MoeForCausalLM"],
