@@ -48,6 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "one_process (no_ref with rlstack as one process using every thread, TRL's layout; TRL's no_ref "
         "run is its pair), config (the config as it is; the only one for configs TRL cannot run)",
     )
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="add a `lora` setting: rlstack with model.lora.rank=RANK (adapters only trained, the reference "
+        "free, the sync moving adapter bytes) and a reference KL; its TRL pair is TRL's `ref` run (full training)",
+    )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each micro-benchmark")
     p.add_argument("--engines", default="hf,vllm", help="rollout engines to micro-benchmark")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps; the first is warm-up")
@@ -136,7 +144,22 @@ def settings_of(args, cfg) -> dict:
             "reference": a.use_kl_loss or a.use_kl_in_reward,
         },
     }
+    if getattr(args, "lora", 0) > 0:
+        known["lora"] = {
+            "label": f"LoRA rank {args.lora} (rlstack model.lora.rank={args.lora}, use_kl_loss=true with the "
+            f"actor's adapters off as the reference; TRL: its ref run, full training)",
+            "overrides": [
+                f"model.lora.rank={args.lora}",
+                "algorithm.use_kl_loss=true",
+                f"algorithm.kl_loss_coef={coef!r}",
+            ],
+            "beta": coef,
+            "reference": False,  # the reference is the actor with its adapters off: no second model
+            "trl_from": "ref",
+        }
     names = [n for n in args.settings.split(",") if n]
+    if "lora" in known and "lora" not in names:
+        names.append("lora")
     if a.name != "grpo" or not cfg.data.synthetic:  # TRL runs GRPO on synthetic tasks only: nothing to pair
         names = ["config"]
     unknown = [n for n in names if n not in known]

@@ -17,7 +17,7 @@ from megatron_bridge.parallel import ParallelGroups
 from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.workers.actor import Actor
 from rlstack.workers.critic import Critic
-from rlstack.workers.megatron_role import MegatronRole, OptimSettings, warmup_steps
+from rlstack.workers.megatron_role import MegatronRole, OptimSettings, lora_spec, warmup_steps
 
 if TYPE_CHECKING:
     from megatron_bridge.reshard import SplitWeightSync, WeightSync
@@ -100,6 +100,13 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
             bucket_mb=cfg.rollout.sync_bucket_mb,
             zero_copy=cfg.rollout.zero_copy,
         )
+        if actor.role.lora is not None:  # the frozen base once, then the adapters only
+            from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
+
+            if hasattr(engine, "set_adapters"):
+                weight_sync = LoraWeightSync(weight_sync, actor.role, groups, engine)
+            else:
+                weight_sync = MergedLoraSync(weight_sync, actor.role, groups)
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
     return TrainerParts(
@@ -163,12 +170,18 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
     # full recompute, megatron's selective modules, or none (config.py checks they are not both set)
     recompute = cfg.model.gradient_checkpointing or tuple(cfg.model.recompute_modules)
     fused = cfg.model.fused_output_logprobs
+    seed = cfg.trainer.seed
+    actor_lora = lora_spec(cfg.model.lora, seed)  # None: full fine-tuning
     actor = Actor(
-        MegatronRole(hf_dir, groups, dtype, optim=actor_optim, recompute=recompute, fused_output=fused),
+        MegatronRole(
+            hf_dir, groups, dtype, optim=actor_optim, recompute=recompute, fused_output=fused, lora=actor_lora
+        ),
         a,
         temperature=cfg.rollout.temperature,
     )
-    ref = MegatronRole(hf_dir, groups, dtype, fused_output=fused) if (a.use_kl_loss or a.use_kl_in_reward) else None
+    # With LoRA the reference is free: the actor with its adapters off (ScoreForwards), no second copy.
+    wants_ref = (a.use_kl_loss or a.use_kl_in_reward) and actor_lora is None
+    ref = MegatronRole(hf_dir, groups, dtype, fused_output=fused) if wants_ref else None
     critic = None
     if a.name == "ppo":
         critic = Critic(
@@ -179,7 +192,8 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
                 value_head=True,
                 recompute=recompute,
                 optim=critic_optim,
-                value_head_seed=cfg.trainer.seed,
+                value_head_seed=seed,
+                lora=lora_spec(cfg.critic.lora, seed),
             ),
             a,
         )
@@ -205,6 +219,8 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
     scoring = Scoring(parts.scorer, parts.tokenizer, parts.reward_model, groups, overlong)
     mbs, temperature = cfg.algorithm.micro_batch_size, cfg.rollout.temperature
     forwards = ScoreForwards(parts.actor, parts.ref, parts.critic, mbs, temperature, phases.offload)
+    a = cfg.algorithm
+    forwards.ref_from_actor = parts.actor.role.lora is not None and (a.use_kl_loss or a.use_kl_in_reward)
     data = (parts.train_set, parts.sampler, parts.tokenizer, scoring)
     if parts.split is not None:
         source = SplitSource(cfg, groups, parts.split, *data, forwards)

@@ -233,13 +233,44 @@ def _metrics_step(line: str) -> Optional[int]:
 def _role_sharded_state(role, with_optimizer: bool, is_loading: bool) -> dict:
     # GPTModel.sharded_state_dict covers the critic's ValueHead too: megatron's default for a
     # plain submodule (transformer/utils.py sharded_state_dict_default) makes TP-replicated tensors.
-    model_sd = role.module.sharded_state_dict()
+    model_sd = _saved_model_state(role.module, role.module.sharded_state_dict())
     state = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = role.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=_optim_metadata(role.groups.device)
         )
     return state
+
+
+def _saved_model_state(module, model_sd: dict) -> dict:
+    """What a role's checkpoint holds of its model: everything, or with LoRA (docs/lora.md) the
+    adapters and any other trainable tensor (a critic's value head) only. The frozen base is not
+    rewritten each save: it is rebuilt from the HF checkpoint when the run (or export) starts."""
+    from megatron_bridge.lora import has_lora
+
+    if not has_lora(module):
+        return model_sd
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if ".lora." in k or k in trainable}
+
+
+def _load_model_state(module, loaded: dict) -> None:
+    """load_state_dict of a saved model state; with LoRA only the frozen base may be missing."""
+    from megatron_bridge.lora import has_lora
+
+    if not has_lora(module):
+        module.load_state_dict(loaded, strict=True)
+        return
+    missing, unexpected = module.load_state_dict(loaded, strict=False)
+    absent = [k for k in missing if ".lora." in k or k in {n for n, p in module.named_parameters() if p.requires_grad}]
+    if absent or unexpected:
+        raise CheckpointError(f"LoRA checkpoint does not match the model: missing {absent}, unexpected {unexpected}")
+
+
+def lora_record(role, source: str) -> Optional[dict]:
+    """trainer_state.json's `lora` entry of a role: its LoraSpec and the HF base it adapts (export reads it)."""
+    spec = getattr(role, "lora", None)
+    return None if spec is None else {**asdict(spec), "target_modules": list(spec.target_modules), "base": source}
 
 
 def save_role(role, path: str, groups, with_optimizer: bool) -> None:
@@ -263,7 +294,7 @@ def load_role(role, path: str, with_optimizer: bool) -> None:
         optimizer_state.allocate_distributed_optimizer_state(role.optimizer)
     state = _role_sharded_state(role, with_optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
-    role.module.load_state_dict(loaded["model"], strict=True)
+    _load_model_state(role.module, loaded["model"])
     if with_optimizer:
         role.optimizer.load_state_dict(loaded["optimizer"])
         optimizer_state.unshare_adam_steps(role.optimizer)
@@ -276,8 +307,8 @@ def load_model_weights(module, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     # Same nesting as at save time; the returned dict also holds the optimizer's common part.
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, path)
-    module.load_state_dict(loaded["model"], strict=True)
+    loaded = dist_checkpointing.load({"model": _saved_model_state(module, module.sharded_state_dict())}, path)
+    _load_model_state(module, loaded["model"])
 
 
 class Stateful(Protocol):
@@ -421,6 +452,7 @@ class Checkpointer:
             "save_optimizer": bool(self.cfg.checkpoint.save_optimizer),
             "model_args": {name: asdict(role.args) for name, role in roles.items()},
             "value_head": {name: name == "critic" for name in roles},
+            "lora": {name: lora_record(role, parts.sources[name]) for name, role in roles.items()},
         }
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
@@ -542,6 +574,7 @@ def _check_compatible(path: str, state: dict, roles: dict) -> None:
             "set checkpoint.resume=never"
         )
     for name, role in roles.items():
+        _check_lora_compatible(path, name, (state.get("lora") or {}).get(name), lora_record(role, ""))
         saved = state["model_args"][name]
         now = asdict(role.args)
         diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -550,3 +583,14 @@ def _check_compatible(path: str, state: dict, roles: dict) -> None:
                 f"checkpoint {path} holds a different {name} model ({diff}, as saved vs now): "
                 "resume with the same model.path or set checkpoint.resume=never"
             )
+
+
+def _check_lora_compatible(path: str, name: str, saved: Optional[dict], now: Optional[dict]) -> None:
+    keys = ("rank", "alpha", "target_modules")
+    was, is_ = ({k: r[k] for k in keys} if r else {"rank": 0} for r in (saved, now))
+    if was != is_:
+        key = "model.lora" if name == "actor" else f"{name}.lora"
+        raise CheckpointError(
+            f"checkpoint {path} holds the {name} with LoRA {was}, this run has {is_}: "
+            f"resume with the same {key} settings or set checkpoint.resume=never"
+        )

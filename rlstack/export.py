@@ -10,9 +10,11 @@ label (`score.weight` = the value head, no bias), whose per-token logits are the
 with `--critic-format seq-cls` a `*ForSequenceClassification` one instead (num_labels=1, the same
 `score.weight`, pad_token_id set), the reward-model format: `reward_model.path` or
 `model.critic_path` of a later run loads it, and transformers scores the last non-pad token.
-LoRA (docs/lora.md): `export_peft_adapter` writes a PEFT adapter directory and `export_merged` a
-merged HF model from megatron-layout adapters; checkpoints do not hold adapters yet, so the command
-line does not reach them.
+LoRA (docs/lora.md): a checkpoint of a `model.lora` run holds the adapters only; the actor is
+exported as a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`, for
+`peft.PeftModel.from_pretrained(<base HF model>, out)`), or with `--merge` as the base HF model with
+the adapters merged in. The base is the HF checkpoint the run started from (recorded in
+trainer_state.json; `--base` names another copy of it).
 Weights come from the checkpoint's dist-checkpoint shards, resharded on load to `--tp/--pp`
 (default 1 x 1: one process is enough); config and tokenizer files come from the copy of the
 starting HF checkpoint stored inside the checkpoint.
@@ -52,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size to load at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at")
     parser.add_argument("--force", action="store_true", help="write into non-empty --out/--critic-out directories")
+    parser.add_argument(
+        "--merge", action="store_true", help="LoRA checkpoints: write the merged HF model instead of the PEFT adapter"
+    )
+    parser.add_argument("--base", default="", help="LoRA checkpoints: the base HF directory (default: the run's)")
     return parser.parse_args(argv)
 
 
@@ -63,22 +69,33 @@ def export_checkpoint(
     pp: int = 1,
     groups=None,
     critic_format: str = "token-cls",
+    merge: bool = False,
+    base: str = "",
 ) -> dict:
-    """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths."""
+    """Write the actor (and the critic when `critic_out`) as HF directories. Collective; returns paths.
+    A LoRA actor becomes a PEFT adapter directory, or (`merge`) the merged HF model."""
     from megatron_bridge.parallel import init_distributed
     from rlstack.checkpoint import resolve_path
 
     path = resolve_path(ckpt, "--ckpt")
     with open(os.path.join(path, "trainer_state.json")) as f:
-        roles = json.load(f)["roles"]
+        state = json.load(f)
+    roles, lora = state["roles"], state.get("lora") or {}
     if critic_out and "critic" not in roles:
         raise UserError(f"checkpoint {path} has no critic (a GRPO run?): drop --critic")
+    if critic_out and lora.get("critic"):
+        raise UserError(f"checkpoint {path} has a LoRA critic, which export does not write yet: drop --critic")
+    if (merge or base) and not lora.get("actor"):
+        raise UserError(f"checkpoint {path} is not a LoRA run: drop --merge / --base")
     if groups is None:
         from megatron_bridge import patches
 
         patches.apply()
         groups = init_distributed(tp, pp, backend="auto")
-    written = {"actor": _export_role(path, "actor", out, groups)}
+    if lora.get("actor"):
+        written = {"actor": _export_lora_actor(path, out, groups, lora["actor"], merge, base)}
+    else:
+        written = {"actor": _export_role(path, "actor", out, groups)}
     if critic_out:
         written["critic"] = _export_role(path, "critic", critic_out, groups, critic_format)
     return written
@@ -144,6 +161,34 @@ def export_merged(adapters: dict, base_hf_dir: str, out: str, scale: float) -> s
     save_hf(merged_hf_state(base, adapters, args, scale), args, out, base_hf_dir)
     log.info("exported the base model with LoRA merged in to %s", out)
     return out
+
+
+def _export_lora_actor(path: str, out: str, groups, record: dict, merge: bool, base: str) -> Optional[str]:
+    """The adapters of a LoRA checkpoint (resharded to this layout, gathered) -> PEFT dir or merged model."""
+    from megatron_bridge.hf import read_model_args
+    from megatron_bridge.lora import LoraSpec, adapter_state, add_lora_
+    from megatron_bridge.mappings import layer_offset
+    from rlstack import collectives
+    from rlstack.checkpoint import HF_SOURCE, load_model_weights
+
+    base = base or record["base"]
+    if not os.path.exists(os.path.join(base, "config.json")):
+        raise UserError(f"the LoRA base model {base} is not on this machine: pass --base <its HF directory>")
+    args = read_model_args(os.path.join(path, HF_SOURCE, "actor"))
+    fields = ("rank", "alpha", "dropout", "init", "seed")
+    spec = LoraSpec(**{k: record[k] for k in fields}, target_modules=tuple(record["target_modules"]))
+    model = _build_empty(args, groups, value_head=False)
+    offset = layer_offset(args, groups.pp_rank, groups.dims.pp)
+    add_lora_(model, spec, groups.tp, offset)
+    load_model_weights(model, os.path.join(path, "actor"))
+    adapters = adapter_state(model, groups.tp, groups.pp, offset)  # collective: every rank gets them
+    if groups.rank == 0:
+        if merge:
+            export_merged(adapters, base, out, spec.scale)
+        else:
+            export_peft_adapter(adapters, base, out, spec.alpha, spec.dropout)
+    collectives.barrier(groups.world, groups.device)
+    return out if groups.rank == 0 else None
 
 
 def _build_empty(args, groups, value_head: bool):
@@ -222,7 +267,14 @@ def _run(args) -> int:
         _check_out_dir(flag, out, args.force)
     try:
         written = export_checkpoint(
-            args.ckpt, args.out, critic_out, tp=args.tp, pp=args.pp, critic_format=args.critic_format
+            args.ckpt,
+            args.out,
+            critic_out,
+            tp=args.tp,
+            pp=args.pp,
+            critic_format=args.critic_format,
+            merge=args.merge,
+            base=args.base,
         )
     finally:
         destroy_distributed()

@@ -101,12 +101,24 @@ def check_lora(cfg) -> None:
             "offload.reference=true with model.lora: the reference is the actor with its adapters off, "
             "there is no reference model to offload: set offload.reference=false"
         )
+    _check_lora_rollout(cfg)
     args = model_args_from_config(cfg.model)
     if args is None:
         return  # provisioned later (default, tiny): the shape is checked when the model is built
     for key, lora in sections:
         if lora.rank > 0:
             _check_lora_shape(key, lora, args, cfg.parallel.ep)
+
+
+def _check_lora_rollout(cfg) -> None:
+    """The rollout paths the LoRA weight sync (rlstack/rollout/lora_sync.py) reaches so far."""
+    if cfg.model.lora.rank <= 0:
+        return
+    if cfg.placement.rollout_ranks > 0:
+        raise UserError(
+            f"model.lora.rank={cfg.model.lora.rank} with placement.rollout_ranks={cfg.placement.rollout_ranks}: "
+            "the split sync does not send adapters yet; set placement.rollout_ranks=0 (colocated) or model.lora.rank=0"
+        )
 
 
 def _check_lora_shape(key: str, lora, args, ep: int) -> None:

@@ -169,11 +169,37 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> 
         for mod in model.modules():
             if isinstance(mod, torch.nn.Linear):
                 packed[mod] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
-                mod.forward = functools.partial(_packed_forward, packed=packed[mod], bias=mod.bias)
+                mod.forward = _with_lora(mod, functools.partial(_packed_forward, packed=packed[mod], bias=mod.bias))
         yield packed
     finally:
         for mod in packed:
             del mod.forward  # the class's own forward again
+            _install_lora(mod)  # ... plus its LoRA adapter, if it has one
+
+
+class _LoraDelta:
+    """scale * B (A x) of one HF linear (A [r, in], B [out, r]): the adapter the engine adds (model.lora)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float):
+        self.a, self.b, self.scale = a, b, scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # the actor's order (megatron_bridge.lora.LoraAdapter.delta): h = x A^T, then h B^T, then scale
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, self.a), self.b) * self.scale
+
+
+def _with_lora(mod: torch.nn.Module, forward):
+    """`forward` plus the module's LoRA delta, if `set_adapters` gave it one. Kept as an instance
+    `forward` (not a hook): LeanDecoder calls the linears' `forward` directly."""
+    delta = mod.__dict__.get("lora_delta")
+    if delta is None:
+        return forward
+    return lambda x: forward(x) + delta(x)
+
+
+def _install_lora(mod: torch.nn.Module) -> None:
+    if mod.__dict__.get("lora_delta") is not None:
+        mod.forward = _with_lora(mod, type(mod).forward.__get__(mod))
 
 
 def _register_attention() -> None:
@@ -229,6 +255,19 @@ class HFEngine(RolloutEngine):
                 if tuple(tensor.shape) != tuple(targets[name].shape):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != engine {tuple(targets[name].shape)}")
                 targets[name].copy_(tensor)
+
+    def set_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """LoRA (rlstack/rollout/lora_sync.py): each named linear (`model.layers.0.self_attn.q_proj`)
+        computes `W x + scale * B (A x)` from now on, W staying the (aliased) base weight."""
+        for name, (a, b) in adapters.items():
+            mod = self.model.get_submodule(name)
+            a, b = a.to(self.device, mod.weight.dtype), b.to(self.device, mod.weight.dtype)
+            delta = mod.__dict__.get("lora_delta")
+            if delta is None:
+                mod.lora_delta = _LoraDelta(a, b, scale)
+                _install_lora(mod)
+            else:
+                delta.a, delta.b, delta.scale = a, b, scale
 
     # ------------------------------------------------------------------ generation
 

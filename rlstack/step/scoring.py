@@ -100,6 +100,7 @@ class ScoreForwards:
     micro_batch_size: int
     temperature: float
     offload: Any  # rlstack.workers.offload.Offloader
+    ref_from_actor: bool = False  # LoRA: the reference is the actor with its adapters off (no ref role)
 
     def fill(self, rollout: Rollout) -> None:
         """Old log-probs (off policy), reference log-probs, values: each unless already filled."""
@@ -111,5 +112,10 @@ class ScoreForwards:
         if self.ref is not None and rollout.ref_logprob is None:
             with self.offload.reference():  # offload: the reference's weights in for its forward only
                 rollout.ref_logprob = compute_logprobs(self.ref, rollout, mbs, temperature)
+        if self.ref_from_actor and rollout.ref_logprob is None:
+            from megatron_bridge.lora import adapters_disabled
+
+            with adapters_disabled(self.actor.role.module):
+                rollout.ref_logprob = compute_logprobs(self.actor.role, rollout, mbs, temperature)
         if self.critic is not None and rollout.old_values is None:
             rollout.old_values = self.critic.compute_values(rollout, mbs)

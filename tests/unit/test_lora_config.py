@@ -74,6 +74,8 @@ def test_settings_lora_cannot_combine_with(tmp_path):
         check_lora(_cfg("algorithm.name=grpo", "critic.lora.rank=4"))
     with pytest.raises(UserError, match="offload.reference=true with model.lora.*set offload.reference=false"):
         check_lora(_cfg("model.lora.rank=4", "offload.reference=true"))
+    with pytest.raises(UserError, match="placement.rollout_ranks=1: the split sync does not send adapters"):
+        check_lora(_cfg("model.lora.rank=4", "placement.rollout_ranks=1"))
     moe = dict(
         FULL,
         architectures=["Qwen3MoeForCausalLM"],
@@ -96,3 +98,22 @@ def test_config_section_becomes_the_role_spec():
     assert (spec.rank, spec.scale, spec.target_modules, spec.seed) == (8, 0.5, TARGETS, 3)
     spec = lora_spec(_cfg("critic.lora.rank=2", "critic.lora.target_modules=[linear_fc2,linear_qkv]").critic.lora)
     assert spec.target_modules == ("linear_qkv", "linear_fc2")
+
+
+def test_resume_refuses_other_lora_settings():
+    from types import SimpleNamespace
+
+    from rlstack.checkpoint import CheckpointError, _check_lora_compatible, lora_record
+    from rlstack.config import LoraConfig
+    from rlstack.workers.megatron_role import lora_spec
+
+    role = SimpleNamespace(lora=lora_spec(LoraConfig(rank=8), seed=1))
+    record = lora_record(role, "/base")
+    assert record["rank"] == 8 and record["base"] == "/base" and record["target_modules"][0] == "linear_qkv"
+    assert lora_record(SimpleNamespace(lora=None), "/base") is None
+    _check_lora_compatible("ck", "actor", record, lora_record(role, "/elsewhere"))  # the base may move
+    other = lora_record(SimpleNamespace(lora=lora_spec(LoraConfig(rank=4), seed=1)), "/base")
+    with pytest.raises(CheckpointError, match="holds the actor with LoRA .*'rank': 8.*same model.lora settings"):
+        _check_lora_compatible("ck", "actor", record, other)
+    with pytest.raises(CheckpointError, match="LoRA {'rank': 0}, this run has .*critic.lora"):
+        _check_lora_compatible("ck", "critic", None, record)

