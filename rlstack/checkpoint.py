@@ -496,7 +496,9 @@ class Checkpointer:
             if dropped:
                 log.info("resume: dropped %d metrics.jsonl lines past step %d", dropped, step)
         self._barrier()
-        self.last_load = {"seconds": time.perf_counter() - t0, "path": path}
+        self.last_load = {"seconds": time.perf_counter() - t0, "path": path, "step": step}
+        if g.rank == 0:
+            self.last_load["dropped"] = dropped  # steps this run repeats (logged as trainer/steps_repeated)
         log.info("resumed from %s at step %d in %.2f s", path, step, self.last_load["seconds"])
         return step
 
