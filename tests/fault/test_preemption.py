@@ -10,9 +10,17 @@ import signal
 
 import pytest
 
-from rlstack.preemption import RESUME_EXIT, STOPPED_FILE
+from rlstack.preemption import ENGINE_EXIT, RESUME_EXIT, STOPPED_FILE
 from tests.e2e.runs import NUMERIC_KEYS, read_metrics, train_steps
-from tests.fault.checks import assert_checkpoints_sound, finish, launch, metrics_lines, rank_process, wait_for
+from tests.fault.checks import (
+    assert_checkpoints_sound,
+    finish,
+    last_line,
+    launch,
+    metrics_lines,
+    rank_process,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 STEPS = 8
@@ -76,3 +84,43 @@ def test_sigusr1_to_one_rank_stops_every_rank(tmp_path, reference):
         str(tmp_path / "usr1"), reference, lambda p: rank_process(p.pid, 1).send_signal(signal.SIGUSR1)
     )
     assert "stopped by another rank's stop signal" in text  # rank 0's line: the signal reached rank 1 only
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    out = str(tmp_path / "full")
+    root = os.path.join(out, "checkpoints")
+    monkeypatch.setenv("RLSTACK_FAULT_ENOSPC_STEP", "3")  # the save of step 3 fails as a full disk would
+    proc = launch(out, ["trainer.total_steps=6", "checkpoint.save_every=1", "checkpoint.keep_last=0"])
+    text = finish(proc)
+    assert proc.returncode == 3, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in text, text[-3000:]
+    assert errors[0] == last_line(text)
+    assert errors[0].startswith(f"error: no space left on the device saving the checkpoint of step 3 in {root}: ")
+    assert "it needs about " in errors[0] and "MiB free (the size of step_00000002)" in errors[0], errors[0]
+    assert "step_00000002 stays intact and `latest` names it" in errors[0], errors[0]
+    assert assert_checkpoints_sound(root) == [2, 1]
+    assert open(os.path.join(root, "latest")).read().strip() == "step_00000002"
+    assert not [n for n in os.listdir(root) if n.endswith(".tmp")], os.listdir(root)
+
+
+def test_a_hung_rollout_engine_stops_the_run_and_the_resume_repeats_the_step(tmp_path, monkeypatch, reference):
+    out = str(tmp_path / "hang")
+    save = ["checkpoint.save_every=1", "checkpoint.keep_last=0"]
+    monkeypatch.setenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP", "3")
+    proc = launch(out, [*RUN, *save, "rollout.timeout_s=20"])
+    text = finish(proc)
+    assert proc.returncode == ENGINE_EXIT, text[-3000:]
+    line = last_line(text)
+    assert "rollout engine hf on rank " in line and "did not finish step 3's generation" in line, line
+    assert "rollout.timeout_s=20" in line and "the checkpoint of step 2 stays" in line, line
+    assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [2, 1]  # nothing of step 3
+    assert sorted(_numeric(out)) == [1, 2]
+
+    monkeypatch.delenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP")
+    again = launch(out, [*RUN, *save, "rollout.timeout_s=20"])
+    text = finish(again)
+    assert again.returncode == 0, text[-3000:]
+    resumed = _numeric(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert {s: resumed[s] for s in range(3, STEPS + 1)} == {s: reference[s] for s in range(3, STEPS + 1)}
