@@ -40,6 +40,7 @@ class _State:
     step = 0  # the step in flight (1-based), for messages from watchdogs
     last_saved = 0  # the newest complete checkpoint's step, for the abandon message
     armed = False
+    deadline = None  # epoch seconds of the time limit in force (Deadline), for the stopped file
 
 
 _state = _State()
@@ -173,7 +174,16 @@ def write_stopped(output_dir: str, step: int, checkpoint: Optional[str]) -> None
     path = os.path.join(output_dir, STOPPED_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"step": step, "reason": _state.reason, "checkpoint": checkpoint, "time": time.time()}, f)
+        json.dump(
+            {
+                "step": step,
+                "reason": _state.reason,
+                "checkpoint": checkpoint,
+                "time": time.time(),
+                "deadline": _state.deadline,
+            },
+            f,
+        )
     os.replace(tmp, path)
 
 
@@ -208,6 +218,9 @@ class Deadline:
         if end is not None:
             ends.append((end, "the SLURM job's time limit"))
         self.end, self.what = min(ends) if ends else (None, "")
+        _state.deadline = self.end
+        if self.end is not None:
+            log.info("time limit: saving and stopping before %s (%s)", time.ctime(self.end), self.what)
         self.slack_s = float(os.environ.get("RLSTACK_STOP_SLACK_S", "30"))
 
     def reached(self, now: float, step_s: float, save_s: float) -> bool:

@@ -124,3 +124,36 @@ def test_a_hung_rollout_engine_stops_the_run_and_the_resume_repeats_the_step(tmp
     resumed = _numeric(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert {s: resumed[s] for s in range(3, STEPS + 1)} == {s: reference[s] for s in range(3, STEPS + 1)}
+
+
+def test_max_wall_minutes_saves_and_stops_in_time(tmp_path, monkeypatch):
+    out = str(tmp_path / "wall")
+    monkeypatch.setenv("RLSTACK_STOP_SLACK_S", "0")  # the exit's slack; the margin is step + save time
+    proc = launch(out, ["trainer.total_steps=200", "checkpoint.save_every=1000", "trainer.max_wall_minutes=0.15"])
+    text = finish(proc)
+    assert proc.returncode == RESUME_EXIT, text[-3000:]
+    with open(os.path.join(out, STOPPED_FILE)) as f:
+        stopped = json.load(f)
+    assert stopped["reason"] == "the time limit (trainer.max_wall_minutes=0.15)", stopped
+    assert stopped["time"] <= stopped["deadline"], stopped  # saved and published before the limit
+    step = stopped["step"]
+    assert 1 <= step < 200
+    assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [step]
+    assert sorted(_numeric(out)) == list(range(1, step + 1))
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_with_max_restarts(tmp_path):
+    out = str(tmp_path / "restart")
+    proc = launch(out, ["--max-restarts", "1", "trainer.total_steps=6", "checkpoint.save_every=2"])
+    try:
+        wait_for(lambda: metrics_lines(out) >= 3, timeout=240, what="three steps", poll=0.02)
+        rank_process(proc.pid, 1).send_signal(signal.SIGKILL)
+    finally:
+        text = finish(proc)
+    assert proc.returncode == 0, text[-3000:]
+    rows = train_steps(read_metrics(out))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], [r["step"] for r in rows]  # every step once
+    restarted = [r for r in rows if "trainer/restarts" in r]
+    assert len(restarted) == 1 and restarted[0]["trainer/restarts"] == 1.0, restarted
+    assert restarted[0]["step"] in (3, 5) and restarted[0]["trainer/steps_repeated"] >= 1.0, restarted
+    assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [6, 4]
