@@ -79,3 +79,25 @@ def test_exit_status_under_torchrun_restarts(monkeypatch):
     assert preemption.exit_status() == 75
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")  # a non-zero exit would restart the ranks
     assert preemption.exit_status() == 0
+
+
+def test_a_step_past_stop_grace_s_is_abandoned_with_the_resume_status(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, time\n"
+        "from rlstack import preemption\n"
+        "preemption.arm(['SIGUSR1'], grace_s=0.5, last_saved=4)\n"
+        "preemption.begin_step(5)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(30)  # a step that does not finish\n"
+        "raise SystemExit(0)\n"
+    )
+    env = dict(os.environ, RANK="0")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == preemption.RESUME_EXIT, proc.stderr
+    assert (
+        "error: step 5 abandoned: not finished 0.5 s after SIGUSR1 (trainer.stop_grace_s); nothing of it is "
+        "saved, the checkpoint of step 4 stays and a resumed run repeats step 5"
+    ) in proc.stderr
