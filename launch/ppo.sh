@@ -114,18 +114,11 @@ run_validation() {
 # ---------------------------------------------------------------- the torchrun command
 log_dir="$output_dir/torchrun_logs/node$node_rank"
 console_ranks="${CONSOLE_LOCAL_RANKS:-0}"
-cmd=("$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc")
-if ((max_restarts > 0)); then
-  # Restarts need the c10d rendezvous: the static one keeps its store across restarts, and the
-  # restarted ranks then read the dead ranks' gloo addresses from it (connectFullMesh: refused).
-  cmd+=(--rdzv-backend=c10d --rdzv-endpoint="$master_addr:$master_port"
-    --rdzv-id="rlstack-${SLURM_JOB_ID:-$master_port}" --rdzv-conf="join_timeout=$rendezvous_s")
-else
+cmd=("$PYTHON" -m torch.distributed.run
+  --nnodes="$nnodes" --nproc-per-node="$nproc" --node-rank="$node_rank"
+  --master-addr="$master_addr" --master-port="$master_port"
   # Static rendezvous: a node that never arrives fails the job after the config's timeout.
-  cmd+=(--node-rank="$node_rank" --master-addr="$master_addr" --master-port="$master_port"
-    --rdzv-conf="timeout=$rendezvous_s")
-fi
-cmd+=(
+  --rdzv-conf="timeout=$rendezvous_s"
   # Elastic restarts (--max-restarts N, default 0): a failed rank restarts every rank on this node,
   # which resume from the latest checkpoint; with 0 a failed rank ends the job and names itself.
   --max-restarts="$max_restarts"
