@@ -142,11 +142,6 @@ def test_max_wall_minutes_saves_and_stops_in_time(tmp_path):
     assert sorted(_numeric(out)) == list(range(1, step + 1))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="seen failing here (2 loaded CPU cores): the restarted ranks' megatron new_group fails in gloo "
-    "connectFullMesh (Connection refused), with static and with c10d rendezvous; not yet diagnosed",
-)
 def test_a_killed_rank_restarts_from_the_checkpoint_with_max_restarts(tmp_path):
     out = str(tmp_path / "restart")
     proc = launch(out, ["--max-restarts", "1", "trainer.total_steps=6", "checkpoint.save_every=2"])
