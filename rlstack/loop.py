@@ -153,7 +153,8 @@ def _start(cfg, groups, overwrite, placement=None):
     return trainer, trackers
 
 
-def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_yaml: str = "", overwrite=None) -> None:
+def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_yaml: str = "", overwrite=None) -> bool:
+    """Train to trainer.total_steps; True when it stopped early to be resumed (rlstack/preemption.py)."""
     from rlstack import preemption
     from rlstack.observability.monitor import ResourceMonitor
 
@@ -252,7 +253,10 @@ def _restart_metrics(checkpointer, step: int) -> dict:
     if not restarts and not repeated:
         return {}
     log.warning(
-        "restart %d: resumed at step %d, repeating %d step(s) done since that checkpoint", restarts, step, repeated
+        "%s: resumed at step %d, repeating %d step(s) done since that checkpoint",
+        f"torchrun restart {restarts}" if restarts else "resume",
+        step,
+        repeated,
     )
     return {"trainer/restarts": float(restarts), "trainer/steps_repeated": float(repeated)}
 
