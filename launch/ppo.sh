@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start rlstack training under torchrun on this node; SLURM-aware. See docs/launch.md.
 #
-#   bash launch/ppo.sh CONFIG [key=value ...] [--dry-run] [--profile] [--validate-only] [--plan] [--print-cmd]
+#   bash launch/ppo.sh CONFIG [key=value ...] [--dry-run] [--profile] [--validate-only] [--plan] [--print-cmd] [--max-restarts N]
 #
 # Outside SLURM: NNODES (1), NODE_RANK (0), NPROC_PER_NODE (GPUs present, else 2), MASTER_ADDR
 # (127.0.0.1; required when NNODES>1), MASTER_PORT (a free port on one node, else 29500).
@@ -27,6 +27,7 @@ note() { echo "ppo.sh: $*" >&2; }
 
 # ---------------------------------------------------------------- arguments
 print_cmd=0
+max_restarts=0
 validate_only=0
 full_plan=0
 config=""
@@ -37,6 +38,8 @@ while (($#)); do
     --print-cmd) print_cmd=1 ;;
     --validate-only) validate_only=1 ;;
     --plan) full_plan=1 ;;
+    --max-restarts) (($# >= 2)) || die "--max-restarts needs a number"; max_restarts="$2"; shift ;;
+    --max-restarts=*) max_restarts="${1#--max-restarts=}" ;;
     -h|--help) usage; exit 0 ;;
     --config) (($# >= 2)) || die "--config needs a file"; config="$2"; shift ;;
     --config=*) config="${1#--config=}" ;;
@@ -48,6 +51,7 @@ while (($#)); do
   esac
   shift
 done
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts $max_restarts: give a whole number (0: a failed rank ends the job)"
 [[ -n "$config" ]] || { usage; die "no config: bash launch/ppo.sh yaml_configs/X.yaml [key=value ...]"; }
 
 if [[ -n "${PYTHON:-}" ]]; then
@@ -115,8 +119,9 @@ cmd=("$PYTHON" -m torch.distributed.run
   --master-addr="$master_addr" --master-port="$master_port"
   # Static rendezvous: a node that never arrives fails the job after the config's timeout.
   --rdzv-conf="timeout=$rendezvous_s"
-  # No elastic restarts: a failed rank ends the job (and names itself) instead of looping.
-  --max-restarts=0
+  # Elastic restarts (--max-restarts N, default 0): a failed rank restarts every rank on this node,
+  # which resume from the latest checkpoint; with 0 a failed rank ends the job and names itself.
+  --max-restarts="$max_restarts"
   --log-dir="$log_dir" --tee=3)
 [[ "$console_ranks" == all ]] || cmd+=(--local-ranks-filter="$console_ranks")
 cmd+=(-m rlstack.train --config "$config" ${train_args[@]+"${train_args[@]}"})
@@ -145,6 +150,8 @@ export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 mkdir -p "$log_dir"
+stopped_file="$output_dir/stopped_to_resume.json"   # rank 0 writes it when it stopped to be resumed
+rm -f "$stopped_file"
 launcher_log="$log_dir/launcher.log"   # torchrun's stderr on this node: its failure summary
 fifo_dir="$(mktemp -d)"
 trap 'rm -rf "$fifo_dir"' EXIT
@@ -155,11 +162,22 @@ tee -i "$launcher_log" <"$fifo_dir/stderr" | grep --line-buffered -E '^\[[a-z]+[
 tee_pid=$!
 "${cmd[@]}" 2>"$fifo_dir/stderr" &
 run_pid=$!
-# Signals to this script (timeout, kill, Ctrl-C) go on to torchrun, which stops its workers.
+# A first TERM, INT or USR1 (a scheduler's warning, preemption, Ctrl-C) goes straight to the ranks:
+# they finish the step, save it and exit 75 (trainer.stop_signals; torchrun itself would kill them
+# 30 s after forwarding). A second signal, or HUP, goes to torchrun, which stops its workers now.
 stop_signal=""
-forward() { stop_signal="$1"; kill -TERM "$run_pid" 2>/dev/null || true; }
+forward() {
+  if [[ -z "$stop_signal" && "$1" != HUP ]]; then
+    stop_signal="$1"
+    pkill "-$1" -P "$run_pid" 2>/dev/null || kill -TERM "$run_pid" 2>/dev/null || true
+  else
+    stop_signal="$1"
+    kill -TERM "$run_pid" 2>/dev/null || true
+  fi
+}
 trap 'forward TERM' TERM
 trap 'forward INT' INT
+trap 'forward USR1' USR1
 trap 'forward HUP' HUP
 rc=0
 wait "$run_pid" || rc=$?
@@ -168,8 +186,22 @@ while kill -0 "$run_pid" 2>/dev/null; do   # a trapped signal interrupted wait: 
   wait "$run_pid" || rc=$?
 done
 wait "$tee_pid" || true
-trap - TERM INT HUP
+trap - TERM INT USR1 HUP
 
+if [[ -f "$stopped_file" ]]; then
+  # Stopped to be resumed (a signal or a time limit): the last complete step is saved.
+  note "stopped to be resumed ($(cat "$stopped_file")); exit 75: run again (checkpoint.resume=auto) to continue"
+  if [[ "${RLSTACK_REQUEUE:-0}" == 1 && -n "${SLURM_JOB_ID:-}" && "${RLSTACK_IGNORE_SLURM:-0}" != 1 ]]; then
+    if [[ "$node_rank" == 0 ]]; then
+      if scontrol requeue "$SLURM_JOB_ID"; then
+        note "requeued SLURM job $SLURM_JOB_ID (RLSTACK_REQUEUE=1): it resumes from the checkpoint"
+      else
+        note "scontrol requeue $SLURM_JOB_ID failed: submit the job again to resume"
+      fi
+    fi
+  fi
+  exit 75
+fi
 if ((rc == 0)); then
   exit 0
 fi

@@ -165,7 +165,27 @@ def start_world(backend: str, timeout_minutes: int, world_size: int, rank: int) 
         timeout=datetime.timedelta(minutes=timeout_minutes),
         world_size=world_size,
         rank=rank,
+        store=_restart_store(world_size, timeout_minutes),
     )
+
+
+def _restart_store(world_size: int, timeout_minutes: float):
+    """After a torchrun restart, the agent's TCPStore still holds the dead attempt's keys (torch adds
+    no per-attempt prefix for workers): gloo would read the dead ranks' addresses and fail in
+    connectFullMesh ("Connection refused"). Each attempt gets its own prefix; None on the first."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+    return dist.PrefixStore(f"rlstack/attempt_{attempt}/", store)
 
 
 def init_distributed(

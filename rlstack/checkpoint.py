@@ -411,15 +411,28 @@ class Checkpointer:
         if g.rank == 0:
             self._prepare(tmp, list(roles))
         self._barrier()
-        for name, role in roles.items():
-            save_role(role, os.path.join(tmp, name), g, self.cfg.checkpoint.save_optimizer)
-        torch.save(rng_state(), _rank_file(tmp, g.rank))
+        full = None  # a full disk (ENOSPC/EDQUOT) while writing: every rank stops with one line
+        try:
+            _fault_full_disk(step, tmp)
+            for name, role in roles.items():
+                save_role(role, os.path.join(tmp, name), g, self.cfg.checkpoint.save_optimizer)
+            torch.save(rng_state(), _rank_file(tmp, g.rank))
+            if g.rank == 0:
+                self._write_rank0_files(tmp, parts)
+        except OSError as e:
+            if not _is_full(e):
+                raise
+            full = e
+        if self._any(full is not None):  # every rank's files are on disk before the marker lists them
+            self._give_up(tmp, step, full)
         if g.rank == 0:
-            self._write_rank0_files(tmp, parts)
-        self._barrier()  # every rank's files are on disk before the marker lists them
-        if g.rank == 0:
-            marker = write_marker(tmp, step)
-            self._publish(tmp, final)
+            try:
+                marker = write_marker(tmp, step)
+                self._publish(tmp, final)
+            except OSError as e:
+                if not _is_full(e):
+                    raise
+                self._give_up(tmp, step, e, collective=False)
             size = sum(marker["files"].values())
             self.last_save = {"seconds": time.perf_counter() - t0, "bytes": size, "path": final}
             log.info(
@@ -431,6 +444,28 @@ class Checkpointer:
             )
         self._barrier()  # published before any rank goes on
         return final
+
+    def _any(self, flag: bool) -> bool:
+        """Collective (it is also the barrier after the writes): did any rank fail?"""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.groups.device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world)
+        return bool(t.item())
+
+    def _give_up(self, tmp: str, step: int, error, collective: bool = True):
+        """The disk filled during the save of `step`: remove step_N.tmp (rank 0), leave `latest` on the
+        previous checkpoint, and raise one line naming the directory and the space needed."""
+        if self.groups.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest_tmp = os.path.join(self.root, LATEST + ".tmp")
+            if os.path.exists(latest_tmp):
+                os.remove(latest_tmp)
+        if collective:
+            self._barrier()
+        raise CheckpointSpaceError(self.root, step, error)
 
     def _prepare(self, tmp: str, role_names: list[str]) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -528,7 +563,9 @@ class Checkpointer:
             if dropped:
                 log.info("resume: dropped %d metrics.jsonl lines past step %d", dropped, step)
         self._barrier()
-        self.last_load = {"seconds": time.perf_counter() - t0, "path": path}
+        self.last_load = {"seconds": time.perf_counter() - t0, "path": path, "step": step}
+        if g.rank == 0:
+            self.last_load["dropped"] = dropped  # steps this run repeats (logged as trainer/steps_repeated)
         log.info("resumed from %s at step %d in %.2f s", path, step, self.last_load["seconds"])
         return step
 
@@ -564,6 +601,55 @@ class Checkpointer:
         from rlstack import collectives
 
         collectives.barrier(self.groups.world, self.groups.device)
+
+
+class CheckpointSpaceError(OSError):
+    """No room for a checkpoint; `resource_line` is the one line the run stops with (exit 3)."""
+
+    def __init__(self, root: str, step: int, error: Optional[OSError]):
+        import errno
+
+        code = getattr(error, "errno", None) or errno.ENOSPC
+        super().__init__(code, os.strerror(code), root)
+        previous = _newest_complete(root)
+        size = sum(checkpoint_files(previous).values()) if previous else 0
+        free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+        need = f"about {size / 2**20:.1f} MiB free (the size of {os.path.basename(previous)})" if previous else "room"
+        kept = (
+            f"{os.path.basename(previous)} stays intact and `latest` names it"
+            if previous
+            else "no checkpoint was saved"
+        )
+        what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on the device"
+        self.resource_line = (
+            f"{what} saving the checkpoint of step {step} in {root}: it needs {need}, "
+            f"{free / 2**20:.1f} MiB are free there; {kept}, the unfinished step_{step:08d}.tmp was removed. "
+            "Free space or point checkpoint.dir at a file system with room, then resume (checkpoint.resume=auto)"
+        )
+
+
+def _newest_complete(root: str) -> Optional[str]:
+    for _, path in list_checkpoints(root):
+        if os.path.isfile(os.path.join(path, MARKER)):
+            return path
+    return None
+
+
+def _is_full(e: OSError) -> bool:
+    import errno
+
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _fault_full_disk(step: int, tmp: str) -> None:
+    """tests/fault: RLSTACK_FAULT_ENOSPC_STEP=K fails the save of step K as a full file system would."""
+    import errno
+
+    if os.environ.get("RLSTACK_FAULT_ENOSPC_STEP") == str(step):
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, "partial.bin"), "wb") as f:
+            f.write(b"\0" * 4096)  # something half-written, as a real full disk leaves
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
 
 
 def _check_compatible(path: str, state: dict, roles: dict) -> None:

@@ -141,6 +141,7 @@ class RolloutConfig:
     top_k: int = -1  # -1: off
     max_new_tokens: int = 64  # response length limit
     micro_batch_size: int = 32  # sequences generated at once by the hf engine
+    timeout_s: float = 0.0  # a generation (hf engine) not done in this many seconds stops the run (exit 4); 0: off
     sync_bucket_mb: int = 64  # weight-sync bucket size
     # hf engine, training TP1 x PP1, same dtype: engine weights are views of the actor's (0 bytes synced)
     zero_copy: bool = True
@@ -306,6 +307,12 @@ class TrainerConfig:
     # verl's key: each step writes DIR/<step>.jsonl, one line per sample (input, output, score, step,
     # prompt_ids, response_ids, response_mask, num_turns, finish_reason); "": off
     rollout_data_dir: str = ""
+    # Signals that stop the run to be resumed (docs/reliability.md): the step in flight finishes,
+    # every rank agrees, the last complete step is saved and the run exits 75; a second one stops at once.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    stop_grace_s: float = 600.0  # a step not finished this long after a stop signal is abandoned (0: wait)
+    # Save and stop (exit 75) before this many minutes of training; under SLURM the job's end time too. 0: off
+    max_wall_minutes: float = 0.0
 
 
 @dataclass

@@ -35,6 +35,8 @@ def resource_message(e: BaseException) -> str:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = str(e)
+        if getattr(e, "resource_line", ""):  # a message written where the fault was understood (checkpoint.py)
+            return e.resource_line
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
             what = "GPU memory" if "CUDA" in text or type(e).__name__ == "OutOfMemoryError" else "host memory"
             planned = f" ({_plan['line'].removeprefix('memory plan: ')})" if _plan["line"] else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 
 log = logging.getLogger("rlstack")
 
@@ -30,14 +31,14 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     health = placement.health if placement is not None else _health_group(cfg)
     rank = placement.rank if placement is not None else groups.rank
     trainer = trackers = None
-    ok = False
+    ok = stopped = False
     try:
         if placement is not None and placement.is_rollout:
             _serve_rollout(cfg, placement)
         else:
             trainer, trackers = _start(cfg, groups, overwrite, placement)
             _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
-            _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
+            stopped = _loop(cfg, trainer, trackers, groups, dry_run, profile, config_yaml, overwrite)
         ok = True
     except Exception as e:
         if _is_collective_timeout(e):
@@ -49,6 +50,10 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
         if trainer is not None:
             trainer.source.close(ok)  # the engine, or the rollout ranks' serving loop (only when ok)
         destroy_distributed()
+    if stopped:
+        from rlstack import preemption
+
+        return preemption.exit_status()  # 75: stopped to be resumed (0 under torchrun's restarts)
     return 0
 
 
@@ -148,12 +153,15 @@ def _start(cfg, groups, overwrite, placement=None):
     return trainer, trackers
 
 
-def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_yaml: str = "", overwrite=None) -> None:
+def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_yaml: str = "", overwrite=None) -> bool:
+    """Train to trainer.total_steps; True when it stopped early to be resumed (rlstack/preemption.py)."""
+    from rlstack import preemption
     from rlstack.observability.monitor import ResourceMonitor
 
     checkpointer = _checkpointer(cfg, groups, dry_run)
     if checkpointer is not None:
         checkpointer.resume(trainer.checkpoint_parts())
+    restart = _restart_metrics(checkpointer, trainer.step)
     if groups.rank == 0 and config_yaml:  # after the resume checks: a refused run leaves the saved config as it was
         _write_config(cfg.trainer.output_dir, config_yaml)
     monitor = ResourceMonitor(warn_fraction=cfg.logging.memory_warn_fraction, logger=log)
@@ -163,18 +171,36 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_y
         val_first = trainer.validate()
         log.info("validation before training: %s", _fmt(val_first))
         trackers.log(dict(val_first), step=0)
-    while trainer.step < cfg.trainer.total_steps:
-        metrics = trainer.train_step(dry_run=dry_run)
-        metrics.update(monitor.sample())
-        step = trainer.step
-        if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
-            metrics.update(trainer.validate())
-        trackers.log(metrics, step=step)
-        if profile:
-            log.info(_profile_line(metrics))
-        if checkpointer is not None and checkpointer.maybe_save(trainer.checkpoint_parts()):
-            if overwrite is not None:
-                overwrite.saved()
+    deadline = preemption.Deadline(cfg.trainer.max_wall_minutes, time.time())
+    preemption.arm(cfg.trainer.stop_signals, cfg.trainer.stop_grace_s, last_saved=trainer.step)
+    try:
+        while trainer.step < cfg.trainer.total_steps:
+            preemption.begin_step(trainer.step + 1)
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(dry_run=dry_run)
+            step_s = time.perf_counter() - t0
+            metrics.update(monitor.sample())
+            metrics.update(restart)
+            restart = {}
+            step = trainer.step
+            if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+                metrics.update(trainer.validate())
+            trackers.log(metrics, step=step)
+            if profile:
+                log.info(_profile_line(metrics))
+            if checkpointer is not None and checkpointer.maybe_save(trainer.checkpoint_parts()):
+                preemption.saved(step)
+                if overwrite is not None:
+                    overwrite.saved()
+            save_s = checkpointer.last_save.get("seconds", 0.0) if checkpointer is not None else 0.0
+            if deadline.reached(time.time(), step_s, save_s) and step < cfg.trainer.total_steps:
+                preemption.request_stop(f"the time limit ({deadline.what})")
+            if preemption.agree(groups):
+                if step < cfg.trainer.total_steps:
+                    _stop_to_resume(cfg, trainer, groups, checkpointer, dry_run, overwrite)
+                    return True
+    finally:
+        preemption.disarm(cfg.trainer.stop_signals)
     if cfg.trainer.val_after_train:
         val_last = trainer.validate()
         log.info("validation after training: %s", _fmt(val_last))
@@ -190,6 +216,49 @@ def _loop(cfg, trainer, trackers, groups, dry_run: bool, profile: bool, config_y
         if after != before:
             raise AssertionError(f"--dry-run changed parameters: checksum {before} -> {after}")
         log.info("dry run: parameter checksum unchanged (%s)", after)
+    return False
+
+
+def _stop_to_resume(cfg, trainer, groups, checkpointer, dry_run: bool, overwrite) -> None:
+    """Every rank agreed to stop after `trainer.step`: save it (unless just saved) and say so."""
+    from rlstack import preemption
+    from rlstack.checkpoint import Checkpointer, step_dir
+
+    step, path = trainer.step, None
+    if not dry_run:
+        checkpointer = checkpointer or Checkpointer(cfg, groups)
+        path = checkpointer.last_save.get("path")
+        if path != step_dir(checkpointer.root, step):
+            path = checkpointer.save(trainer.checkpoint_parts())
+            if overwrite is not None:
+                overwrite.saved()
+    if groups.rank == 0:
+        preemption.write_stopped(cfg.trainer.output_dir, step, path)
+    log.warning(
+        "stopped by %s after step %d of %d: %s; exit %d (stopped to be resumed): run again with "
+        "checkpoint.resume=auto to continue at step %d",
+        preemption.reason(),
+        step,
+        cfg.trainer.total_steps,
+        f"checkpoint saved to {path}" if path else "nothing saved (--dry-run)",
+        preemption.RESUME_EXIT,
+        step + 1,
+    )
+
+
+def _restart_metrics(checkpointer, step: int) -> dict:
+    """Under torchrun's elastic restarts: which restart this is, and the steps redone since the last save."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    repeated = checkpointer.last_load.get("dropped", 0) if checkpointer is not None else 0
+    if not restarts and not repeated:
+        return {}
+    log.warning(
+        "%s: resumed at step %d, repeating %d step(s) done since that checkpoint",
+        f"torchrun restart {restarts}" if restarts else "resume",
+        step,
+        repeated,
+    )
+    return {"trainer/restarts": float(restarts), "trainer/steps_repeated": float(repeated)}
 
 
 def _write_config(out: str, config_yaml: str) -> None:

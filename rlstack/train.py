@@ -72,6 +72,10 @@ def _run(args, rank: int) -> int:
         return _validate_only(args, cfg, world_size)
     from rlstack.run_dir import guarded_start
 
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        # torchrun restarted the ranks after one died: the same run, resumed from its latest
+        # checkpoint (the first attempt did any overwrite; this one must not set that run aside)
+        cfg.trainer.overwrite, cfg.checkpoint.resume = False, "auto"
     with guarded_start(cfg, rank) as overwrite:
         found = preflight(cfg, world_size)  # the same checks, and messages, as --validate-only
         _remember_plan(cfg, found.dims.world_size)
@@ -144,10 +148,10 @@ def _stop_on_sigterm() -> None:
     the output directory's lock is released and an earlier run set aside by overwrite is put back."""
     import signal
 
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
+    from rlstack.preemption import unwind
 
-    signal.signal(signal.SIGTERM, stop)
+    # The training loop turns trainer.stop_signals into a graceful stop (rlstack/preemption.py).
+    signal.signal(signal.SIGTERM, unwind)
 
 
 def _default_world(cfg) -> int:

@@ -216,6 +216,8 @@ def user_error_guard(
             if where is not None:
                 log.error("resource error: %s", resource, exc_info=True, extra={FILE_ONLY: True})
             _write_console(f"error: {resource}" if rank == 0 else f"error: rank {rank}: {resource}", sys.stderr)
+            if rank != 0:  # a full disk hits every rank at once: let rank 0's line reach the console
+                time.sleep(other_rank_exit_delay_s)
             raise SystemExit(RESOURCE_EXIT) from None
         if where is not None:
             log.error("internal error (bug): %s: %s", type(e).__name__, e, exc_info=True, extra={FILE_ONLY: True})

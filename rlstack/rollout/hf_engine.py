@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -274,6 +275,16 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
     ) -> list[Generation]:
+        from rlstack import preemption
+
+        # rollout.timeout_s: a hung generation stops the run naming engine, rank and step (docs/reliability.md)
+        with preemption.rollout_watchdog(getattr(self.cfg, "timeout_s", 0.0), "hf"):
+            _fault_hang(preemption)
+            return self._generate(prompts, params, max_new_tokens)
+
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]]
+    ) -> list[Generation]:
         params.validate()
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -453,3 +464,12 @@ class HFEngine(RolloutEngine):
             "rollout/decode_rows_mean": c.decode_rows / c.decode_steps,
             "rollout/decode_live_share": (c.tokens - c.sequences) / c.decode_rows,
         }
+
+
+def _fault_hang(preemption) -> None:
+    """tests/fault: RLSTACK_FAULT_ROLLOUT_HANG_STEP=K (and RLSTACK_FAULT_RANK=R, default every rank)
+    makes step K's generation hang, as a stuck engine would."""
+    step = preemption.fault_hook("ROLLOUT_HANG_STEP")
+    rank = preemption.fault_hook("RANK")
+    if step and int(step) == preemption.current_step() and rank in (None, os.environ.get("RANK", "0")):
+        time.sleep(3600)

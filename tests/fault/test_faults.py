@@ -119,11 +119,15 @@ def test_sigterm_during_a_save_publishes_nothing_half_written(tmp_path):
             )
 
         wait_for(saving, what="the third save to start", poll=0.01)
-        os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to torchrun and its workers
+        # The first SIGTERM asks for a graceful stop (the launcher forwards it to the ranks); the second
+        # stops at once, through torchrun, in the middle of the save.
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
     finally:
         text = finish(proc)
-    assert proc.returncode == 128 + signal.SIGTERM, text[-2000:]
-    assert "stopped by SIGTERM" in text
+    # 143: the save was cut short; 75: it was published before the second signal landed
+    assert proc.returncode in (128 + signal.SIGTERM, 75), text[-2000:]
+    assert "stopped by SIGTERM" in text or "stopped to be resumed" in text
     steps = assert_checkpoints_sound(_ckpts(out))
     assert steps and max(steps) <= 3 and 2 in steps
     with open(os.path.join(_ckpts(out), f"step_{steps[0]:08d}", "trainer_state.json")) as f:

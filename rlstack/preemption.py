@@ -1,0 +1,314 @@
+"""Stopping to be resumed: signals, time limits and watchdogs (docs/reliability.md).
+
+A stop signal (`trainer.stop_signals`) sets a flag; the loop finishes the step in flight, every
+rank agrees on stopping (one all-reduce of the flag per step), the last complete step is saved,
+and the run exits with RESUME_EXIT. A step that cannot finish within `trainer.stop_grace_s` is
+abandoned (the previous checkpoint stays). A second stop signal unwinds at once (`finally` runs).
+`trainer.max_wall_minutes` and a SLURM job's end time set the same flag before the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger("rlstack")
+
+# EX_TEMPFAIL (sysexits.h): "try again later". The run saved its last complete step and stopped on
+# a signal or a time limit; launch/ppo.sh requeues a SLURM job on it (RLSTACK_REQUEUE=1).
+RESUME_EXIT = 75
+# A generation that did not finish within rollout.timeout_s (a hung or dead engine).
+ENGINE_EXIT = 4
+# Written by rank 0 next to metrics.jsonl once the stop's checkpoint is published: launch/ppo.sh
+# reads it (torchrun's own status says nothing about why its ranks exited).
+STOPPED_FILE = "stopped_to_resume.json"
+
+
+class _State:
+    signum = 0  # the first stop signal received (0: none)
+    reason = ""  # "SIGTERM", "time limit", ...
+    received_at = 0.0
+    grace_timer: Optional[threading.Timer] = None
+    grace_s = 0.0
+    step = 0  # the step in flight (1-based), for messages from watchdogs
+    last_saved = 0  # the newest complete checkpoint's step, for the abandon message
+    armed = False
+    deadline = None  # epoch seconds of the time limit in force (Deadline), for the stopped file
+
+
+_state = _State()
+
+
+def signal_numbers(names: list[str]) -> list[int]:
+    """`trainer.stop_signals` names (SIGTERM, TERM, 15) as signal numbers; UserError names the key."""
+    from rlstack.errors import UserError
+
+    out = []
+    for name in names:
+        text = str(name).strip().upper()
+        try:
+            num = (
+                int(text) if text.isdigit() else int(getattr(signal, text if text.startswith("SIG") else "SIG" + text))
+            )
+        except (AttributeError, TypeError, ValueError):
+            raise UserError(f"trainer.stop_signals: unknown signal {name!r} (use e.g. SIGTERM, SIGINT, SIGUSR1)")
+        if num in (signal.SIGKILL, signal.SIGSTOP):
+            raise UserError(f"trainer.stop_signals: {name} cannot be caught: remove it")
+        out.append(num)
+    return out
+
+
+def arm(signals: list[str], grace_s: float, last_saved: int = 0) -> None:
+    """Stop signals set the flag from here on (the training loop); before this they unwind."""
+    _state.grace_s, _state.last_saved, _state.armed = float(grace_s), int(last_saved), True
+    for num in signal_numbers(signals):
+        signal.signal(num, _on_signal)
+
+
+def disarm(signals: list[str]) -> None:
+    """After the loop: a stop signal unwinds again (teardown, validation after training)."""
+    _state.armed = False
+    _cancel_grace()
+    for num in signal_numbers(signals):
+        signal.signal(num, unwind)
+
+
+def unwind(signum, frame) -> None:
+    """SIGTERM outside the loop (or a second stop signal) unwinds like Ctrl-C, so `finally` blocks run."""
+    raise SystemExit(128 + signum)
+
+
+def _on_signal(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if _state.signum or not _state.armed:  # a second signal: stop now (an atomic publish holds)
+        log.warning("%s again: stopping now, without waiting for step %d", name, _state.step)
+        raise SystemExit(128 + signum)
+    _state.signum, _state.reason, _state.received_at = signum, name, time.time()
+    log.warning(
+        "%s received in step %d: finishing it, then saving and stopping (trainer.stop_grace_s=%g)",
+        name,
+        _state.step,
+        _state.grace_s,
+    )
+    if _state.grace_s > 0:
+        _state.grace_timer = threading.Timer(_state.grace_s, _abandon)
+        _state.grace_timer.daemon = True
+        _state.grace_timer.start()
+
+
+def request_stop(reason: str) -> None:
+    """A time limit asks for the same stop as a signal (no grace timer: the step has finished)."""
+    if not _state.signum:
+        _state.signum, _state.reason, _state.received_at = -1, reason, time.time()
+
+
+def _abandon() -> None:
+    """The step could not finish within stop_grace_s: exit without saving it (from a thread, since the
+    main thread may be inside a collective that Python cannot interrupt)."""
+    rank = os.environ.get("RANK", "0")
+    line = (
+        f"step {_state.step} abandoned: not finished {_state.grace_s:g} s after {_state.reason} "
+        f"(trainer.stop_grace_s); nothing of it is saved, the checkpoint of step {_state.last_saved} stays "
+        f"and a resumed run repeats step {_state.step}"
+    )
+    log.error(line)
+    if rank == "0":
+        sys.stderr.write(f"error: {line}\n")
+    _flush_logs()
+    os._exit(RESUME_EXIT)
+
+
+def _cancel_grace() -> None:
+    if _state.grace_timer is not None:
+        _state.grace_timer.cancel()
+        _state.grace_timer = None
+
+
+def begin_step(step: int) -> None:
+    _state.step = step
+
+
+def saved(step: int) -> None:
+    _state.last_saved = step
+
+
+def stop_requested() -> bool:
+    return bool(_state.signum)
+
+
+def reason() -> str:
+    return _state.reason
+
+
+def agree(groups) -> bool:
+    """Collective, once a step: does any rank want to stop? (a signal may reach one rank only)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if _state.signum else 0], dtype=torch.int32, device=groups.device)
+    if dist.is_initialized() and groups.world is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.world)
+    stop = bool(flag.item())
+    if stop:
+        _cancel_grace()  # the step finished: the save is not abandoned (a second signal still stops)
+        if not _state.signum:
+            _state.signum, _state.reason = -1, "another rank's stop signal"
+    return stop
+
+
+def reset() -> None:
+    """Tests: forget a stop."""
+    _cancel_grace()
+    _state.signum, _state.reason, _state.step, _state.last_saved = 0, "", 0, 0
+
+
+def write_stopped(output_dir: str, step: int, checkpoint: Optional[str]) -> None:
+    """Rank 0, after the stop's checkpoint is published: what launch/ppo.sh reads."""
+    path = os.path.join(output_dir, STOPPED_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "step": step,
+                "reason": _state.reason,
+                "checkpoint": checkpoint,
+                "time": time.time(),
+                "deadline": _state.deadline,
+            },
+            f,
+        )
+    os.replace(tmp, path)
+
+
+def exit_status() -> int:
+    """RESUME_EXIT, or 0 under torchrun with elastic restarts (a non-zero exit would restart the ranks;
+    launch/ppo.sh reads STOPPED_FILE and exits RESUME_EXIT itself)."""
+    return 0 if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 else RESUME_EXIT
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger("rlstack").handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- time limits
+
+
+class Deadline:
+    """When to stop for a time limit: the earlier of start + trainer.max_wall_minutes and a SLURM
+    job's end time; stop once the next step and a save would not fit (margin: last step's time +
+    last save's time, x1.5, + 30 s slack for the exit)."""
+
+    def __init__(self, max_wall_minutes: float, start: float, slurm: bool = True):
+        ends = []
+        if max_wall_minutes > 0:
+            ends.append((start + 60.0 * max_wall_minutes, f"trainer.max_wall_minutes={max_wall_minutes:g}"))
+        end = slurm_end_time() if slurm else None
+        if end is not None:
+            ends.append((end, "the SLURM job's time limit"))
+        self.end, self.what = min(ends) if ends else (None, "")
+        _state.deadline = self.end
+        if self.end is not None:
+            log.info("time limit: saving and stopping before %s (%s)", time.ctime(self.end), self.what)
+        self.slack_s = float(os.environ.get("RLSTACK_STOP_SLACK_S", "30"))
+
+    def reached(self, now: float, step_s: float, save_s: float) -> bool:
+        if self.end is None:
+            return False
+        return now + 1.5 * (step_s + save_s) + self.slack_s >= self.end
+
+
+def slurm_end_time() -> Optional[float]:
+    """The job's end (epoch seconds) from SLURM_JOB_END_TIME, else `squeue -h -j $SLURM_JOB_ID -o %e`."""
+    if os.environ.get("RLSTACK_IGNORE_SLURM") == "1" or not os.environ.get("SLURM_JOB_ID"):
+        return None
+    value = os.environ.get("SLURM_JOB_END_TIME", "")
+    if value.strip().isdigit():
+        return float(value)
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return _parse_slurm_time(out)
+
+
+def _parse_slurm_time(text: str) -> Optional[float]:
+    import datetime
+
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    if not text or text in ("N/A", "NONE", "Unknown"):
+        return None
+    if text.isdigit():
+        return float(text)
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()  # local time, as squeue prints
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- watchdogs
+
+
+class Watchdog:
+    """Exit the process when a block does not finish within timeout_s (0: off). A thread, since a hung
+    engine may sit in C code that no Python exception can interrupt; nothing of the step is saved."""
+
+    def __init__(self, timeout_s: float, message):
+        self.timeout_s, self.message = float(timeout_s), message
+        self._timer = None
+
+    def __enter__(self):
+        if self.timeout_s > 0:
+            self._timer = threading.Timer(self.timeout_s, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._timer is not None:
+            self._timer.cancel()
+        return False
+
+    def _fire(self) -> None:
+        line = self.message()
+        log.error(line)
+        sys.stderr.write(f"error: {line}\n")
+        _flush_logs()
+        os._exit(ENGINE_EXIT)
+
+
+def rollout_watchdog(timeout_s: float, engine: str) -> Watchdog:
+    rank = os.environ.get("RANK", "0")
+    return Watchdog(
+        timeout_s,
+        lambda: (
+            f"rollout engine {engine} on rank {rank} did not finish step {_state.step}'s generation within "
+            f"rollout.timeout_s={timeout_s:g} (hung or dead): stopped; nothing of step {_state.step} is saved, "
+            f"the checkpoint of step {_state.last_saved} stays and a resumed run repeats step {_state.step}"
+        ),
+    )
+
+
+def fault_hook(name: str) -> Optional[str]:
+    """Test hooks (tests/fault): RLSTACK_FAULT_<NAME>, e.g. RLSTACK_FAULT_ROLLOUT_HANG_STEP=3."""
+    return os.environ.get(f"RLSTACK_FAULT_{name}")
+
+
+def current_step() -> int:
+    return _state.step
