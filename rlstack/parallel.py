@@ -75,13 +75,3 @@ def check_placement(cfg, world_size: int) -> None:
             f"placement.rollout_ranks > 0 with parallel.ep={p.ep} is not supported yet: set parallel.ep=1 "
             "or placement.rollout_ranks=0 (expert parallelism runs colocated)"
         )
-    if r.engine != "hf":
-        raise UserError(
-            "placement.rollout_ranks > 0 runs the hf engine only so far (vLLM in-process builds its groups "
-            "collectively over every rank): set rollout.engine=hf or placement.rollout_ranks=0"
-        )
-    if r.verify_sync:
-        raise UserError(
-            "rollout.verify_sync probes a colocated engine: set rollout.verify_sync=0 with split placement "
-            "(the step's actor/rollout_diff_max still shows a stale engine)"
-        )

@@ -17,8 +17,9 @@ update, so generation and training overlap and every batch is one step stale (th
 A request with `stream=True` is handed over micro-batch by micro-batch (`stream_rounds` all-gathers),
 so the training ranks score each part as it arrives (rlstack.step.split.SplitSource._stream).
 
-Left out: vLLM engines (in-process vLLM builds its groups collectively over every rank) and
-rollout.verify_sync.
+vLLM engines run in a child process of each rollout rank (rlstack.rollout.vllm_subprocess: in-process
+vLLM would build its groups collectively over every rank of the run's world); the weights reach them
+through the same SplitWeightSync plan, fed to the engine's loader.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RolloutRequest:
     greedy: bool = False
     sync: bool = True  # push the actor's current weights first
     stream: bool = False  # hand each generation micro-batch over as it finishes (`stream_rounds` all-gathers)
+    max_new_tokens: int = 0  # > 0: this cap instead of rollout.max_new_tokens (the verify_sync probe)
 
 
 @dataclass
@@ -97,11 +99,11 @@ class RolloutClient:
         gens = [g for p in mine for g in p.gens]
         return dataclasses.replace(mine[0], gens=gens, tokens=sum(p.tokens for p in mine)), waited
 
-    def generate(self, prompts: list, step: int, version: int, greedy: bool):
-        """Synchronous: current weights, then `prompts` (objects with `.input_ids`) generated.
-
-        Returns (RolloutBatch, seconds waited for it, the sync's SyncStats)."""
-        sync = self.request(RolloutRequest("generate", [list(p.input_ids) for p in prompts], step, version, greedy))
+    def generate(self, prompts: list, step: int, version: int, greedy: bool, sync: bool = True):
+        """Synchronous: current weights (unless `sync` is False), then `prompts` (objects with `.input_ids`)
+        generated. Returns (RolloutBatch, seconds waited for it, the sync's SyncStats or None)."""
+        ids = [list(p.input_ids) for p in prompts]
+        sync = self.request(RolloutRequest("generate", ids, step, version, greedy, sync=sync))
         batch, waited = self.receive()
         return batch, waited, sync
 
@@ -171,7 +173,14 @@ def build_rollout_side(cfg, placement, device) -> RolloutSide:
     groups = rollout_side_groups(placement, device)
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = stages.load_tokenizer(hf_dir)
-    engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    if cfg.rollout.engine == "vllm":  # in a child process: vLLM's groups over these ranks only
+        from rlstack.rollout.vllm_subprocess import build_split_vllm
+
+        engine = build_split_vllm(
+            cfg.rollout, hf_dir, groups, placement, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+    else:
+        engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
     layout = split_layout(cfg, placement)
     sync = SplitWeightSync(
         None, engine, read_model_args(hf_dir), placement, layout, None, cfg.rollout.tp, cfg.rollout.sync_bucket_mb
@@ -204,8 +213,11 @@ def serve(side: RolloutSide) -> int:
             served += 1
             continue
         t0 = time.perf_counter()
+        rollout_cfg = cfg.rollout
+        if req.max_new_tokens > 0:
+            rollout_cfg = dataclasses.replace(rollout_cfg, max_new_tokens=req.max_new_tokens)
         gens, tokens = stages.generate(
-            side.engine, [_Prompt(ids) for ids in req.prompts], cfg.rollout, side.groups, req.seed_step, req.greedy
+            side.engine, [_Prompt(ids) for ids in req.prompts], rollout_cfg, side.groups, req.seed_step, req.greedy
         )
         busy = time.perf_counter() - t0
         first = side.groups.rank == 0  # stages.generate gathered every replica's share on every rollout rank

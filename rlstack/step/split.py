@@ -37,21 +37,23 @@ class SplitSource:
         cfg, g = self.cfg, self.groups
         t0, self._waited = time.perf_counter(), 0.0
         sync = streamed = None
+        probed = self._probe(step)  # rollout.verify_sync when due: the probe request carries the sync
         if self.pending is None and self.scoring.reward_model is None:  # score each micro-batch as it arrives
             indices = self.sampler.next_global_batch()
-            batch, sync, waited, streamed = self._stream(indices, step)
+            batch, sync, waited, streamed = self._stream(indices, step, probed is None)
             self.pending, self._waited = (indices, batch), self._waited + waited
         elif self.pending is None:  # a reward model normalises over the whole batch: no streaming
             indices = self.sampler.next_global_batch()
             prompts = [self.train_set[i] for i in indices]
-            batch, waited, sync = self.client.generate(prompts, step, step, greedy=False)
+            batch, waited, sync = self.client.generate(prompts, step, step, greedy=False, sync=probed is None)
             self.pending, self._waited = (indices, batch), self._waited + waited
         indices, batch = self.pending
         self.pending = self._ahead = None
         if cfg.rollout.staleness == 1 and step + 1 < cfg.trainer.total_steps:
             self._ahead = self.sampler.next_global_batch()  # generated with these weights while this step trains
             ids = [list(self.train_set[i].input_ids) for i in self._ahead]
-            sync = self.client.request(RolloutRequest("generate", ids, step + 1, step))
+            sync = self.client.request(RolloutRequest("generate", ids, step + 1, step, sync=probed is None))
+        sync = probed or sync
         timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
         if streamed is not None:
             prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
@@ -71,6 +73,25 @@ class SplitSource:
         }
         # staleness 1, last step: nothing generated ahead, no weights sent
         return StepBatch(prompts, gens, scores, rollout, sync or SyncStats(), batch.tokens, timings, metrics)
+
+    def _probe(self, step: int):
+        """`rollout.verify_sync` in split placement: when due, a greedy request for the probe prompts
+        carries this step's sync; the training ranks hold the engine's log-probs to the actor's
+        (sync_check.after_split_sync). Greedy decoding draws no sampling noise, so the step's own
+        rollout is unchanged. Returns the sync's SyncStats, or None when no probe is due."""
+        from rlstack.placement import RolloutRequest
+        from rlstack.rollout import sync_check
+
+        r = self.cfg.rollout
+        if not sync_check.due(r, step):
+            return None
+        ids = sync_check.probe_prompts(self.train_set)
+        tokens = min(sync_check.PROBE_TOKENS, r.max_new_tokens)
+        sync = self.client.request(RolloutRequest("generate", ids, step, step, greedy=True, max_new_tokens=tokens))
+        batch, waited = self.client.receive()
+        self._waited += waited
+        sync_check.after_split_sync(r, step, sync, self.forwards.actor.role, self.groups, batch.gens)
+        return sync
 
     def after_update(self, step: int) -> dict:
         if self._ahead is None:
@@ -105,7 +126,7 @@ class SplitSource:
         pad, mbs = self.tokenizer.pad_token_id, self.cfg.algorithm.micro_batch_size
         return stages.build_rollout(prompts, gens, scores, pad, mbs, self.groups.device, on_policy=False)
 
-    def _stream(self, indices: list, step: int):
+    def _stream(self, indices: list, step: int, sync: bool = True):
         """The synchronous batch scored part by part: rewards, old/reference log-probs and values of
         each rollout micro-batch while the rollout ranks generate the next one.
 
@@ -121,7 +142,7 @@ class SplitSource:
         share = split_for_rank(list(range(len(indices))), g.dp_rank, g.dims.dp)
         first, in_share = (share[0] if share else 0), set(share)
         prompts = [global_prompts[i] for i in share]
-        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step)
+        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step, sync=sync)
         every, parts, results, busy = [], [], [], 0.0
         for chunk in self.client.stream(req):
             t0 = time.perf_counter()
