@@ -37,7 +37,7 @@ log = logging.getLogger("rlstack")
 
 @dataclass
 class RolloutRequest:
-    kind: str  # "generate" | "stop"
+    kind: str  # "generate" | "receive" (hand over the oldest queued batch) | "stop"
     prompts: list = field(default_factory=list)  # token ids of each prompt
     seed_step: int = 0  # sampling seed of this step (stages.sampling_params)
     version: int = 0  # the trainer step whose weights the batch is generated with
@@ -45,6 +45,7 @@ class RolloutRequest:
     sync: bool = True  # push the actor's current weights first
     stream: bool = False  # hand each generation micro-batch over as it finishes (`stream_rounds` all-gathers)
     max_new_tokens: int = 0  # > 0: this cap instead of rollout.max_new_tokens (the verify_sync probe)
+    queue: bool = False  # keep the batch on the rollout ranks until a "receive" request (rollout.staleness)
 
 
 @dataclass
@@ -88,6 +89,13 @@ class RolloutClient:
         """Send `req`; with `req.sync` the weights go too. Returns the sync's SyncStats or None."""
         collectives.broadcast_object(req, 0, self.placement.full, self.device)
         return self.weight_sync.sync() if req.sync else None
+
+    def receive_queued(self) -> tuple[RolloutBatch, float]:
+        """The oldest batch the rollout ranks queued (`RolloutRequest.queue`) and the seconds waited."""
+        t0 = time.perf_counter()
+        collectives.broadcast_object(RolloutRequest("receive", sync=False), 0, self.placement.full, self.device)
+        batch, _ = self.receive()
+        return batch, time.perf_counter() - t0
 
     def receive(self) -> tuple[RolloutBatch, float]:
         """The batch of the last request and the seconds this rank waited for it."""
@@ -200,10 +208,14 @@ def serve(side: RolloutSide) -> int:
 
     pl, cfg, served = side.placement, side.cfg, 0
     idle_since = time.perf_counter()
+    queued: list = []  # batches generated ahead (RolloutRequest.queue), oldest first: at most rollout.staleness
     while True:
         req = collectives.broadcast_object(None, 0, pl.full, side.groups.device)
         if req.kind == "stop":
             return served
+        if req.kind == "receive":
+            collectives.all_gather_objects(queued.pop(0), pl.full, pl.world_size)
+            continue
         if req.sync:
             side.weight_sync.sync()
         waited = time.perf_counter() - idle_since
@@ -221,10 +233,19 @@ def serve(side: RolloutSide) -> int:
         )
         busy = time.perf_counter() - t0
         first = side.groups.rank == 0  # stages.generate gathered every replica's share on every rollout rank
-        part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None
-        collectives.all_gather_objects(part, pl.full, pl.world_size)
+        part = RolloutBatch(_versioned(gens, req.version), req.version, busy, waited, tokens) if first else None
+        if req.queue:
+            assert len(queued) < max(1, cfg.rollout.staleness), "more batches ahead than rollout.staleness"
+            queued.append(part)
+        else:
+            collectives.all_gather_objects(part, pl.full, pl.world_size)
         idle_since = time.perf_counter()
         served += 1
+
+
+def _versioned(gens: list, version: int) -> list:
+    """Each response token tagged with the weights version that produced it."""
+    return [dataclasses.replace(g, versions=[version] * len(g.response_ids)) for g in gens]
 
 
 def _chunk_prompts(cfg) -> int:
@@ -255,7 +276,7 @@ def _serve_stream(side: RolloutSide, req: RolloutRequest, waited: float) -> None
         t0 = time.perf_counter()
         local = side.engine.generate([req.prompts[i] for i in chunk], params) if chunk else []
         busy += time.perf_counter() - t0
-        gens = [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
+        gens = _versioned([dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local], req.version)
         tokens += sum(len(x.response_ids) for x in gens)
         first = g.rank % cfg.tp == 0  # the replica's first rank reports for the replica
         part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None

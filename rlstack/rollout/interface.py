@@ -61,6 +61,8 @@ class Generation:
     response_ids: list[int]  # ends at and includes eos when finish_reason == "stop"
     logprobs: list[float]  # one per response token, of softmax(logits / temperature) (module docstring)
     finish_reason: str  # "stop" (eos) | "length" (max_new_tokens)
+    # split placement: the trainer step whose weights produced each response token (None: not tracked)
+    versions: Optional[list[int]] = None
 
 
 class RolloutEngine(ABC):

@@ -26,13 +26,12 @@ class SplitSource:
         self.cfg, self.groups, self.client = cfg, groups, client
         self.train_set, self.sampler, self.tokenizer = train_set, sampler, tokenizer
         self.scoring, self.forwards = scoring, forwards
-        self.pending = None  # staleness 1: (prompt indices, RolloutBatch) of the next step
-        self._ahead = None  # prompt indices requested ahead during this step
+        self.pending = None  # staleness k >= 1: (prompt indices, RolloutBatch) of the next step
+        self._ahead = []  # prompt indices of the batches queued on the rollout ranks, oldest first (<= k)
         self._waited = 0.0  # seconds this step waited for the rollout ranks so far
 
     def next_batch(self, step: int) -> StepBatch:
         from megatron_bridge.reshard import SyncStats
-        from rlstack.placement import RolloutRequest
 
         cfg, g = self.cfg, self.groups
         t0, self._waited = time.perf_counter(), 0.0
@@ -48,12 +47,10 @@ class SplitSource:
             batch, waited, sync = self.client.generate(prompts, step, step, greedy=False, sync=probed is None)
             self.pending, self._waited = (indices, batch), self._waited + waited
         indices, batch = self.pending
-        self.pending = self._ahead = None
-        if cfg.rollout.staleness == 1 and step + 1 < cfg.trainer.total_steps:
-            self._ahead = self.sampler.next_global_batch()  # generated with these weights while this step trains
-            ids = [list(self.train_set[i].input_ids) for i in self._ahead]
-            sync = self.client.request(RolloutRequest("generate", ids, step + 1, step, sync=probed is None))
-        sync = probed or sync
+        self.pending = None
+        ahead = self._request_ahead(step, send_weights=probed is None)
+        sync = probed or ahead or sync
+        token_age = check_token_versions(batch, step, cfg.rollout.staleness)
         timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
         if streamed is not None:
             prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
@@ -69,6 +66,8 @@ class SplitSource:
         timings["timing/trainer_wait_rollout"] = self._waited
         metrics = {
             "rollout/staleness": float(step - batch.version),
+            "rollout/token_staleness_max": float(token_age[1]),
+            "rollout/token_staleness_mean": token_age[0],
             "timing/rollout_wait_weights": batch.wait_weights_s,
         }
         # staleness 1, last step: nothing generated ahead, no weights sent
@@ -93,11 +92,30 @@ class SplitSource:
         sync_check.after_split_sync(r, step, sync, self.forwards.actor.role, self.groups, batch.gens)
         return sync
 
+    def _request_ahead(self, step: int, send_weights: bool):
+        """staleness k: keep k batches queued on the rollout ranks, each new one generated with this
+        step's weights (sent once, with the first request of the step). Batch s is sampled with step s's
+        seed, and the sampler is drawn in step order, as in the synchronous run. Returns the SyncStats
+        of the weights sent, or None."""
+        from rlstack.placement import RolloutRequest
+
+        cfg, sync = self.cfg, None
+        while len(self._ahead) < cfg.rollout.staleness:
+            target = step + 1 + len(self._ahead)  # the step that trains this batch
+            if target >= cfg.trainer.total_steps:
+                break
+            indices = self.sampler.next_global_batch()
+            ids = [list(self.train_set[i].input_ids) for i in indices]
+            req = RolloutRequest("generate", ids, target, step, sync=send_weights and sync is None, queue=True)
+            sync = self.client.request(req) or sync
+            self._ahead.append(indices)
+        return sync
+
     def after_update(self, step: int) -> dict:
-        if self._ahead is None:
+        if not self._ahead:
             return {}
-        next_batch, waited = self.client.receive()
-        self.pending, self._ahead = (self._ahead, next_batch), None
+        next_batch, waited = self.client.receive_queued()  # the oldest queued batch: trained next step
+        self.pending = (self._ahead.pop(0), next_batch)
         self._waited += waited
         return {"timing/trainer_wait_rollout": self._waited}
 
@@ -168,6 +186,21 @@ class SplitSource:
         batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
         scores = Scores(values, results)  # results in arrival order (reward_extra/* sums them)
         return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
+
+
+def check_token_versions(batch, step: int, staleness: int) -> tuple[float, int]:
+    """(mean, max) over the batch's response tokens of `step` minus the weights version that produced
+    the token. A token more than `staleness` versions old must not reach the loss: raising here stops
+    a queue that ran further ahead than rollout.staleness allows."""
+    ages = [step - v for g in batch.gens for v in (g.versions or [batch.version] * len(g.response_ids))]
+    if not ages:
+        return 0.0, 0
+    worst = max(ages)
+    if worst > staleness:
+        raise RuntimeError(
+            f"step {step + 1}: a token {worst} weight versions old reached the loss (rollout.staleness={staleness})"
+        )
+    return sum(ages) / len(ages), worst
 
 
 def fill_from_parts(rollout, gens: list, parts: list) -> None:

@@ -40,7 +40,7 @@ def test_layout_errors_name_the_fix(overrides, world, words):
     "override, words",
     [
         ("placement.rollout_ranks=-1", "'placement.rollout_ranks' is -1"),
-        ("rollout.staleness=2", "0 (synchronous) or 1"),
+        ("rollout.staleness=-1", ">= 0 (0: synchronous"),
         ("algorithm.rollout_is=seq", "'algorithm.rollout_is' is 'seq'"),
         ("algorithm.rollout_is_cap=0", "'algorithm.rollout_is_cap' is 0.0"),
     ],
