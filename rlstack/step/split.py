@@ -28,6 +28,7 @@ class SplitSource:
         self.scoring, self.forwards = scoring, forwards
         self.pending = None  # staleness k >= 1: (prompt indices, RolloutBatch) of the next step
         self._ahead = []  # prompt indices of the batches queued on the rollout ranks, oldest first (<= k)
+        self._received = []  # (indices, RolloutBatch) taken off that queue before a checkpoint, oldest first
         self._waited = 0.0  # seconds this step waited for the rollout ranks so far
 
     def next_batch(self, step: int) -> StepBatch:
@@ -100,8 +101,8 @@ class SplitSource:
         from rlstack.placement import RolloutRequest
 
         cfg, sync = self.cfg, None
-        while len(self._ahead) < cfg.rollout.staleness:
-            target = step + 1 + len(self._ahead)  # the step that trains this batch
+        while len(self._received) + len(self._ahead) < cfg.rollout.staleness:
+            target = step + 1 + len(self._received) + len(self._ahead)  # the step that trains this batch
             if target >= cfg.trainer.total_steps:
                 break
             indices = self.sampler.next_global_batch()
@@ -112,11 +113,19 @@ class SplitSource:
         return sync
 
     def after_update(self, step: int) -> dict:
-        if not self._ahead:
+        if self._checkpoint_after(step):  # take every queued batch off the rollout ranks: saved with the step
+            while self._ahead:
+                batch, waited = self.client.receive_queued()
+                self._received.append((self._ahead.pop(0), batch))
+                self._waited += waited
+        if self._received:
+            self.pending = self._received.pop(0)
+        elif self._ahead:
+            next_batch, waited = self.client.receive_queued()  # the oldest queued batch: trained next step
+            self.pending = (self._ahead.pop(0), next_batch)
+            self._waited += waited
+        else:
             return {}
-        next_batch, waited = self.client.receive_queued()  # the oldest queued batch: trained next step
-        self.pending = (self._ahead.pop(0), next_batch)
-        self._waited += waited
         return {"timing/trainer_wait_rollout": self._waited}
 
     def generate(self, prompts: list, step: int, greedy: bool):
@@ -124,17 +133,25 @@ class SplitSource:
         batch, _, _ = self.client.generate(prompts, step, step, greedy)
         return batch.gens, batch.tokens
 
+    def _checkpoint_after(self, step: int) -> bool:
+        """Whether rlstack.checkpoint saves after 0-based `step` (its maybe_save rule)."""
+        every, done = self.cfg.checkpoint.save_every, step + 1
+        return every > 0 and (done % every == 0 or done == self.cfg.trainer.total_steps)
+
     def state_dict(self) -> dict:
-        """The batch generated ahead (with the previous weights) is saved, so a resumed run trains on
-        exactly the batch the uninterrupted one would have."""
+        """The batches generated ahead (with older weights) are saved, so a resumed run trains on
+        exactly the batches the uninterrupted one would have. At staleness k > 1 the batches still
+        queued on the rollout ranks were taken off before the save (`after_update`), both in the run
+        that is later killed and in the uninterrupted one, so the two stay identical."""
         from rlstack.placement import pending_state
 
-        return {"pending": pending_state(self.pending)}
+        return {"pending": pending_state(self.pending), "received": [pending_state(x) for x in self._received]}
 
     def load_state_dict(self, state: dict) -> None:
         from rlstack.placement import pending_from_state
 
         self.pending = pending_from_state(state.get("pending"))
+        self._received = [pending_from_state(x) for x in state.get("received", [])]
 
     def close(self, ok: bool) -> None:
         if ok:  # after an error a training rank may not answer: the launcher stops the rollout ranks
