@@ -54,7 +54,7 @@ def check_placement(cfg, world_size: int) -> None:
     if k == 0:
         if r.staleness:
             raise UserError(
-                "rollout.staleness=1 needs rollout ranks of their own: set placement.rollout_ranks=K > 0 "
+                f"rollout.staleness={r.staleness} needs rollout ranks of their own: set placement.rollout_ranks=K > 0 "
                 "(colocated roles take turns on the same ranks, nothing runs ahead)"
             )
         return
