@@ -35,8 +35,10 @@ def test_split_vllm_tp1_grpo_learns_on_synced_weights(tmp_path):
         assert r["sync/bytes"] > 0, r["step"]
         assert r["sync/verify_max_diff"] <= TOL, (r["step"], r["sync/verify_max_diff"])
         assert r["actor/rollout_diff_max"] < TOL, (r["step"], r["actor/rollout_diff_max"])
+    # measured here: 0.027 over steps 1-5, 0.089 over steps 11-20 (3.3x: a 2x bound leaves room for
+    # another CPU's rounding; the +0.04 is the colocated vLLM test's)
     first, last = _mean(rows[:5], "reward/mean"), _mean(rows[-10:], "reward/mean")
-    assert last > first + 0.04 and last > 3 * first, (first, last)
+    assert last > first + 0.04 and last > 2 * first, (first, last)
 
 
 def test_split_vllm_tp2_over_two_rollout_ranks(tmp_path):
