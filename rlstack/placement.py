@@ -17,8 +17,9 @@ update, so generation and training overlap and every batch is one step stale (th
 A request with `stream=True` is handed over micro-batch by micro-batch (`stream_rounds` all-gathers),
 so the training ranks score each part as it arrives (rlstack.step.split.SplitSource._stream).
 
-Left out: vLLM engines (in-process vLLM builds its groups collectively over every rank) and
-rollout.verify_sync.
+vLLM engines run in a child process of each rollout rank (rlstack.rollout.vllm_subprocess: in-process
+vLLM would build its groups collectively over every rank of the run's world); the weights reach them
+through the same SplitWeightSync plan, fed to the engine's loader.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ log = logging.getLogger("rlstack")
 
 @dataclass
 class RolloutRequest:
-    kind: str  # "generate" | "stop"
+    kind: str  # "generate" | "receive" (hand over the oldest queued batch) | "stop"
     prompts: list = field(default_factory=list)  # token ids of each prompt
     seed_step: int = 0  # sampling seed of this step (stages.sampling_params)
     version: int = 0  # the trainer step whose weights the batch is generated with
     greedy: bool = False
     sync: bool = True  # push the actor's current weights first
     stream: bool = False  # hand each generation micro-batch over as it finishes (`stream_rounds` all-gathers)
+    max_new_tokens: int = 0  # > 0: this cap instead of rollout.max_new_tokens (the verify_sync probe)
+    queue: bool = False  # keep the batch on the rollout ranks until a "receive" request (rollout.staleness)
 
 
 @dataclass
@@ -87,6 +90,13 @@ class RolloutClient:
         collectives.broadcast_object(req, 0, self.placement.full, self.device)
         return self.weight_sync.sync() if req.sync else None
 
+    def receive_queued(self) -> tuple[RolloutBatch, float]:
+        """The oldest batch the rollout ranks queued (`RolloutRequest.queue`) and the seconds waited."""
+        t0 = time.perf_counter()
+        collectives.broadcast_object(RolloutRequest("receive", sync=False), 0, self.placement.full, self.device)
+        batch, _ = self.receive()
+        return batch, time.perf_counter() - t0
+
     def receive(self) -> tuple[RolloutBatch, float]:
         """The batch of the last request and the seconds this rank waited for it."""
         t0 = time.perf_counter()
@@ -97,11 +107,11 @@ class RolloutClient:
         gens = [g for p in mine for g in p.gens]
         return dataclasses.replace(mine[0], gens=gens, tokens=sum(p.tokens for p in mine)), waited
 
-    def generate(self, prompts: list, step: int, version: int, greedy: bool):
-        """Synchronous: current weights, then `prompts` (objects with `.input_ids`) generated.
-
-        Returns (RolloutBatch, seconds waited for it, the sync's SyncStats)."""
-        sync = self.request(RolloutRequest("generate", [list(p.input_ids) for p in prompts], step, version, greedy))
+    def generate(self, prompts: list, step: int, version: int, greedy: bool, sync: bool = True):
+        """Synchronous: current weights (unless `sync` is False), then `prompts` (objects with `.input_ids`)
+        generated. Returns (RolloutBatch, seconds waited for it, the sync's SyncStats or None)."""
+        ids = [list(p.input_ids) for p in prompts]
+        sync = self.request(RolloutRequest("generate", ids, step, version, greedy, sync=sync))
         batch, waited = self.receive()
         return batch, waited, sync
 
@@ -171,7 +181,14 @@ def build_rollout_side(cfg, placement, device) -> RolloutSide:
     groups = rollout_side_groups(placement, device)
     hf_dir = resolve_model_path(cfg.model.path, tiny_spec=cfg.model.tiny, cache_dir=cfg.model.cache_dir)
     tokenizer = stages.load_tokenizer(hf_dir)
-    engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    if cfg.rollout.engine == "vllm":  # in a child process: vLLM's groups over these ranks only
+        from rlstack.rollout.vllm_subprocess import build_split_vllm
+
+        engine = build_split_vllm(
+            cfg.rollout, hf_dir, groups, placement, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+    else:
+        engine = build_engine(cfg.rollout, hf_dir, groups, tokenizer.eos_token_id, tokenizer.pad_token_id)
     layout = split_layout(cfg, placement)
     sync = SplitWeightSync(
         None, engine, read_model_args(hf_dir), placement, layout, None, cfg.rollout.tp, cfg.rollout.sync_bucket_mb
@@ -191,10 +208,14 @@ def serve(side: RolloutSide) -> int:
 
     pl, cfg, served = side.placement, side.cfg, 0
     idle_since = time.perf_counter()
+    queued: list = []  # batches generated ahead (RolloutRequest.queue), oldest first: at most rollout.staleness
     while True:
         req = collectives.broadcast_object(None, 0, pl.full, side.groups.device)
         if req.kind == "stop":
             return served
+        if req.kind == "receive":
+            collectives.all_gather_objects(queued.pop(0), pl.full, pl.world_size)
+            continue
         if req.sync:
             side.weight_sync.sync()
         waited = time.perf_counter() - idle_since
@@ -204,15 +225,27 @@ def serve(side: RolloutSide) -> int:
             served += 1
             continue
         t0 = time.perf_counter()
+        rollout_cfg = cfg.rollout
+        if req.max_new_tokens > 0:
+            rollout_cfg = dataclasses.replace(rollout_cfg, max_new_tokens=req.max_new_tokens)
         gens, tokens = stages.generate(
-            side.engine, [_Prompt(ids) for ids in req.prompts], cfg.rollout, side.groups, req.seed_step, req.greedy
+            side.engine, [_Prompt(ids) for ids in req.prompts], rollout_cfg, side.groups, req.seed_step, req.greedy
         )
         busy = time.perf_counter() - t0
         first = side.groups.rank == 0  # stages.generate gathered every replica's share on every rollout rank
-        part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None
-        collectives.all_gather_objects(part, pl.full, pl.world_size)
+        part = RolloutBatch(_versioned(gens, req.version), req.version, busy, waited, tokens) if first else None
+        if req.queue:
+            assert len(queued) < max(1, cfg.rollout.staleness), "more batches ahead than rollout.staleness"
+            queued.append(part)
+        else:
+            collectives.all_gather_objects(part, pl.full, pl.world_size)
         idle_since = time.perf_counter()
         served += 1
+
+
+def _versioned(gens: list, version: int) -> list:
+    """Each response token tagged with the weights version that produced it."""
+    return [dataclasses.replace(g, versions=[version] * len(g.response_ids)) for g in gens]
 
 
 def _chunk_prompts(cfg) -> int:
@@ -243,7 +276,7 @@ def _serve_stream(side: RolloutSide, req: RolloutRequest, waited: float) -> None
         t0 = time.perf_counter()
         local = side.engine.generate([req.prompts[i] for i in chunk], params) if chunk else []
         busy += time.perf_counter() - t0
-        gens = [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
+        gens = _versioned([dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local], req.version)
         tokens += sum(len(x.response_ids) for x in gens)
         first = g.rank % cfg.tp == 0  # the replica's first rank reports for the replica
         part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None

@@ -50,7 +50,8 @@ POLICY_LOSS_PARAMS = {
 # sequence, a token mean, then a mean over sequences.
 SEQUENCE_MEAN_LOSSES = ("sapo", "geo_mean")
 # algorithm.rollout_is: truncated importance sampling on rollout log-probs (rollout_is.py); none: off
-ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
+# decoupled: AReaL's decoupled PPO behaviour weight (token level, tokens above the cap dropped)
+ROLLOUT_IS_LEVELS = ("none", "token", "sequence", "decoupled")
 # Estimators whose baseline is the other samples of the prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline")
 

@@ -10,7 +10,19 @@ whose maths this follows: log ratio clamped to +-20 before exp, weights detached
 
 Levels: "token" w_t = min(exp(old_t - rollout_t), cap) per token (biased, low variance);
 "sequence" w = min(exp(sum_t (old_t - rollout_t)), cap), one weight per response broadcast over its
-tokens (the product of the token ratios: unbiased before truncation, high variance).
+tokens (the product of the token ratios: unbiased before truncation, high variance);
+"decoupled" AReaL's decoupled PPO objective (Fu et al. 2025, `areal/utils/functional.py`
+`ppo_actor_loss_fn` with `proximal_logprobs`): the PPO ratio and its clip are taken against the
+proximal policy, which here is pi_old = the trainer's current weights before the update (the actor
+recomputes old log-probs in split placement), and each token's term is weighted by the behaviour
+ratio pi_old / pi_rollout untruncated, the tokens whose ratio exceeds `cap` dropped (weight 0,
+still counted in the loss's token count, as AReaL's `behav_imp_weight_cap`).
+
+Which: "token" (TIS) for an engine that is nearly on-policy (staleness 0-1, kernel mismatch only):
+truncation keeps every token with bounded variance. "decoupled" for staleness k >= 2 or partial
+rollouts, where a few tokens sampled by much older weights have huge ratios: dropping them keeps
+the rest unbiased instead of down-weighting everything past the cap (AReaL's setting). "sequence"
+when the reward is a property of the whole response and the responses are short.
 """
 
 from __future__ import annotations
@@ -31,23 +43,24 @@ def rollout_is_weights(
     Stats (sums, so micro-batches and ranks add up): `is/weight_sum` and `is/clipped_sum` over the
     units the level weights (tokens or sequences), `is/units`, and `is/weight_max`.
     """
-    if level not in ("token", "sequence"):
-        raise ValueError(f"rollout_is level {level!r} is unknown: use token or sequence")
+    if level not in ("token", "sequence", "decoupled"):
+        raise ValueError(f"rollout_is level {level!r} is unknown: use token, sequence or decoupled")
     if not cap > 0:
         raise ValueError(f"rollout_is cap {cap} must be > 0")
     m = as_float_mask(mask, old_logprob)  # [B, T]
     log_ratio = apply_mask(old_logprob.detach() - rollout_logprob.detach(), m)  # [B, T], 0 off the mask
-    if level == "token":
+    if level in ("token", "decoupled"):
         raw = log_ratio.clamp(-_SAFETY_BOUND, _SAFETY_BOUND).exp()  # [B, T]
         unit_mask = m  # [B, T]
-        weights = raw.clamp(max=cap) * m
+        kept = raw.clamp(max=cap) if level == "token" else raw * (raw <= cap).to(raw.dtype)  # truncate | drop
+        weights = kept * m
         unit_raw = raw
     else:
         seq = log_ratio.sum(-1).clamp(-_SAFETY_BOUND, _SAFETY_BOUND)  # [B]
         unit_raw = seq.exp()  # [B]
         unit_mask = (m.sum(-1) > 0).to(m.dtype)  # [B]: rows with a response
         weights = unit_raw.clamp(max=cap)[:, None] * m  # [B, T]
-    unit_w = unit_raw.clamp(max=cap)
+    unit_w = unit_raw.clamp(max=cap) if level != "decoupled" else unit_raw * (unit_raw <= cap).to(unit_raw.dtype)
     on = unit_mask > 0
     stats = {
         "is/weight_sum": (unit_w * unit_mask).sum(),

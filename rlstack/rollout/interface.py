@@ -65,6 +65,8 @@ class Generation:
     # inserted it (only mask-1 tokens train); None: every response token is the policy's
     response_mask: Optional[list[int]] = None
     agent: Optional[Any] = None  # the rlstack.agent.driver.AgentSample behind it (reward, extra, turns)
+    # split placement: the trainer step whose weights produced each response token (None: not tracked)
+    versions: Optional[list[int]] = None
 
 
 class RolloutEngine(ABC):

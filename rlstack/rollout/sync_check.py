@@ -70,10 +70,24 @@ def after_sync(cfg: RolloutConfig, step: int, stats: SyncStats, role, groups, en
         cfg.verify_sync_tol,
         max_new_tokens=min(PROBE_TOKENS, cfg.max_new_tokens),
     )
+    _hold(cfg, step, stats, value, len(probe))
+
+
+def after_split_sync(cfg: RolloutConfig, step: int, stats: SyncStats, role, groups, gens: list) -> None:
+    """Split placement: `after_sync` over the rollout ranks' greedy `gens` of the probe prompts (every
+    training rank holds all of them; the probe request carried the sync, rlstack.step.split)."""
+    if stats.bytes + stats.aliased_bytes <= 0:
+        raise SyncDivergenceError(step + 1, "the weight sync moved no bytes", float("inf"), cfg.verify_sync_tol)
+    rows = [g.prompt_ids + g.response_ids for g in gens]
+    value = verify_generations(role.module, role.args, groups, gens, rows, 0, cfg.verify_sync_tol)
+    _hold(cfg, step, stats, value, len(gens))
+
+
+def _hold(cfg: RolloutConfig, step: int, stats: SyncStats, value: float, prompts: int) -> None:
     stats.verify_max_diff = value
     if not value <= cfg.verify_sync_tol:  # NaN fails too
         raise SyncDivergenceError(
-            step + 1, f"greedy probe of {len(probe)} prompts after the sync", value, cfg.verify_sync_tol
+            step + 1, f"greedy probe of {prompts} prompts after the sync", value, cfg.verify_sync_tol
         )
 
 
@@ -81,6 +95,8 @@ def check_rollout_diff(cfg: RolloutConfig, step: int, metrics: dict) -> None:
     """Hold the step's `actor/rollout_diff_max` to the tolerance while the check is on (0-based `step`)."""
     value = metrics.get("actor/rollout_diff_max")
     if cfg.verify_sync <= 0 or value is None or not filtered_logprobs_agree(cfg):
+        return
+    if cfg.staleness > 0:  # sampled with older weights by design (split placement): only the probe holds
         return
     if not value <= cfg.verify_sync_tol:
         raise SyncDivergenceError(step + 1, "actor/rollout_diff_max of this step's rollout", value, cfg.verify_sync_tol)
@@ -105,10 +121,8 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
     later rollouts. The actor runs the model-parallel group's sequences as one batch, so its TP/PP
     ranks see identical inputs whatever each rank's engine produced.
     """
-    import torch
     import torch.distributed as dist
 
-    from megatron_bridge.forward import megatron_logits
     from rlstack import collectives
     from rlstack.rollout.interface import SamplingParams
 
@@ -118,6 +132,21 @@ def verify_engine(model, args, groups, engine, prompts: list[list[int]], tol: fl
     )
     rows = [r for member in every for r in member]
     offset = sum(len(m) for m in every[: dist.get_group_rank(groups.mp, groups.rank)])
+    return verify_generations(model, args, groups, gens, rows, offset, tol)
+
+
+def verify_generations(model, args, groups, gens: list, rows: list, offset: int, tol: float) -> float:
+    """Largest |engine - actor| log-prob over greedy `gens`, reduced over `groups.world`.
+
+    `rows`: the token ids the model-parallel group runs as one batch (identical on its ranks);
+    `gens[k]` is row `offset + k`. Split placement (rlstack.step.split) passes every training rank
+    the same rows, generated on the rollout ranks.
+    """
+    import torch
+
+    from megatron_bridge.forward import megatron_logits
+    from rlstack import collectives
+
     input_ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)  # [B, S] right-padded
     for b, r in enumerate(rows):
         input_ids[b, : len(r)] = torch.tensor(r)

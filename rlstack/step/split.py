@@ -26,32 +26,32 @@ class SplitSource:
         self.cfg, self.groups, self.client = cfg, groups, client
         self.train_set, self.sampler, self.tokenizer = train_set, sampler, tokenizer
         self.scoring, self.forwards = scoring, forwards
-        self.pending = None  # staleness 1: (prompt indices, RolloutBatch) of the next step
-        self._ahead = None  # prompt indices requested ahead during this step
+        self.pending = None  # staleness k >= 1: (prompt indices, RolloutBatch) of the next step
+        self._ahead = []  # prompt indices of the batches queued on the rollout ranks, oldest first (<= k)
+        self._received = []  # (indices, RolloutBatch) taken off that queue before a checkpoint, oldest first
         self._waited = 0.0  # seconds this step waited for the rollout ranks so far
 
     def next_batch(self, step: int) -> StepBatch:
         from megatron_bridge.reshard import SyncStats
-        from rlstack.placement import RolloutRequest
 
         cfg, g = self.cfg, self.groups
         t0, self._waited = time.perf_counter(), 0.0
         sync = streamed = None
+        probed = self._probe(step)  # rollout.verify_sync when due: the probe request carries the sync
         if self.pending is None and self.scoring.reward_model is None:  # score each micro-batch as it arrives
             indices = self.sampler.next_global_batch()
-            batch, sync, waited, streamed = self._stream(indices, step)
+            batch, sync, waited, streamed = self._stream(indices, step, probed is None)
             self.pending, self._waited = (indices, batch), self._waited + waited
         elif self.pending is None:  # a reward model normalises over the whole batch: no streaming
             indices = self.sampler.next_global_batch()
             prompts = [self.train_set[i] for i in indices]
-            batch, waited, sync = self.client.generate(prompts, step, step, greedy=False)
+            batch, waited, sync = self.client.generate(prompts, step, step, greedy=False, sync=probed is None)
             self.pending, self._waited = (indices, batch), self._waited + waited
         indices, batch = self.pending
-        self.pending = self._ahead = None
-        if cfg.rollout.staleness == 1 and step + 1 < cfg.trainer.total_steps:
-            self._ahead = self.sampler.next_global_batch()  # generated with these weights while this step trains
-            ids = [list(self.train_set[i].input_ids) for i in self._ahead]
-            sync = self.client.request(RolloutRequest("generate", ids, step + 1, step))
+        self.pending = None
+        ahead = self._request_ahead(step, send_weights=probed is None)
+        sync = probed or ahead or sync
+        token_age = check_token_versions(batch, step, cfg.rollout.staleness)
         timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
         if streamed is not None:
             prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
@@ -67,17 +67,65 @@ class SplitSource:
         timings["timing/trainer_wait_rollout"] = self._waited
         metrics = {
             "rollout/staleness": float(step - batch.version),
+            "rollout/token_staleness_max": float(token_age[1]),
+            "rollout/token_staleness_mean": token_age[0],
             "timing/rollout_wait_weights": batch.wait_weights_s,
         }
         # staleness 1, last step: nothing generated ahead, no weights sent
         return StepBatch(prompts, gens, scores, rollout, sync or SyncStats(), batch.tokens, timings, metrics)
 
-    def after_update(self, step: int) -> dict:
-        if self._ahead is None:
-            return {}
-        next_batch, waited = self.client.receive()
-        self.pending, self._ahead = (self._ahead, next_batch), None
+    def _probe(self, step: int):
+        """`rollout.verify_sync` in split placement: when due, a greedy request for the probe prompts
+        carries this step's sync; the training ranks hold the engine's log-probs to the actor's
+        (sync_check.after_split_sync). Greedy decoding draws no sampling noise, so the step's own
+        rollout is unchanged. Returns the sync's SyncStats, or None when no probe is due."""
+        from rlstack.placement import RolloutRequest
+        from rlstack.rollout import sync_check
+
+        r = self.cfg.rollout
+        if not sync_check.due(r, step):
+            return None
+        ids = sync_check.probe_prompts(self.train_set)
+        tokens = min(sync_check.PROBE_TOKENS, r.max_new_tokens)
+        sync = self.client.request(RolloutRequest("generate", ids, step, step, greedy=True, max_new_tokens=tokens))
+        batch, waited = self.client.receive()
         self._waited += waited
+        sync_check.after_split_sync(r, step, sync, self.forwards.actor.role, self.groups, batch.gens)
+        return sync
+
+    def _request_ahead(self, step: int, send_weights: bool):
+        """staleness k: keep k batches queued on the rollout ranks, each new one generated with this
+        step's weights (sent once, with the first request of the step). Batch s is sampled with step s's
+        seed, and the sampler is drawn in step order, as in the synchronous run. Returns the SyncStats
+        of the weights sent, or None."""
+        from rlstack.placement import RolloutRequest
+
+        cfg, sync = self.cfg, None
+        while len(self._received) + len(self._ahead) < cfg.rollout.staleness:
+            target = step + 1 + len(self._received) + len(self._ahead)  # the step that trains this batch
+            if target >= cfg.trainer.total_steps:
+                break
+            indices = self.sampler.next_global_batch()
+            ids = [list(self.train_set[i].input_ids) for i in indices]
+            req = RolloutRequest("generate", ids, target, step, sync=send_weights and sync is None, queue=True)
+            sync = self.client.request(req) or sync
+            self._ahead.append(indices)
+        return sync
+
+    def after_update(self, step: int) -> dict:
+        if self._checkpoint_after(step):  # take every queued batch off the rollout ranks: saved with the step
+            while self._ahead:
+                batch, waited = self.client.receive_queued()
+                self._received.append((self._ahead.pop(0), batch))
+                self._waited += waited
+        if self._received:
+            self.pending = self._received.pop(0)
+        elif self._ahead:
+            next_batch, waited = self.client.receive_queued()  # the oldest queued batch: trained next step
+            self.pending = (self._ahead.pop(0), next_batch)
+            self._waited += waited
+        else:
+            return {}
         return {"timing/trainer_wait_rollout": self._waited}
 
     def generate(self, prompts: list, step: int, greedy: bool):
@@ -85,17 +133,25 @@ class SplitSource:
         batch, _, _ = self.client.generate(prompts, step, step, greedy)
         return batch.gens, batch.tokens
 
+    def _checkpoint_after(self, step: int) -> bool:
+        """Whether rlstack.checkpoint saves after 0-based `step` (its maybe_save rule)."""
+        every, done = self.cfg.checkpoint.save_every, step + 1
+        return every > 0 and (done % every == 0 or done == self.cfg.trainer.total_steps)
+
     def state_dict(self) -> dict:
-        """The batch generated ahead (with the previous weights) is saved, so a resumed run trains on
-        exactly the batch the uninterrupted one would have."""
+        """The batches generated ahead (with older weights) are saved, so a resumed run trains on
+        exactly the batches the uninterrupted one would have. At staleness k > 1 the batches still
+        queued on the rollout ranks were taken off before the save (`after_update`), both in the run
+        that is later killed and in the uninterrupted one, so the two stay identical."""
         from rlstack.placement import pending_state
 
-        return {"pending": pending_state(self.pending)}
+        return {"pending": pending_state(self.pending), "received": [pending_state(x) for x in self._received]}
 
     def load_state_dict(self, state: dict) -> None:
         from rlstack.placement import pending_from_state
 
         self.pending = pending_from_state(state.get("pending"))
+        self._received = [pending_from_state(x) for x in state.get("received", [])]
 
     def close(self, ok: bool) -> None:
         if ok:  # after an error a training rank may not answer: the launcher stops the rollout ranks
@@ -105,7 +161,7 @@ class SplitSource:
         pad, mbs = self.tokenizer.pad_token_id, self.cfg.algorithm.micro_batch_size
         return stages.build_rollout(prompts, gens, scores, pad, mbs, self.groups.device, on_policy=False)
 
-    def _stream(self, indices: list, step: int):
+    def _stream(self, indices: list, step: int, sync: bool = True):
         """The synchronous batch scored part by part: rewards, old/reference log-probs and values of
         each rollout micro-batch while the rollout ranks generate the next one.
 
@@ -121,7 +177,7 @@ class SplitSource:
         share = split_for_rank(list(range(len(indices))), g.dp_rank, g.dims.dp)
         first, in_share = (share[0] if share else 0), set(share)
         prompts = [global_prompts[i] for i in share]
-        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step)
+        req = RolloutRequest("generate", [list(p.input_ids) for p in global_prompts], step, step, sync=sync)
         every, parts, results, busy = [], [], [], 0.0
         penalties = []  # overlong penalties in arrival order (only their sums are logged)
         for chunk in self.client.stream(req):
@@ -149,6 +205,21 @@ class SplitSource:
         batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
         scores = Scores(values, results, penalties=penalties)  # results in arrival order (reward_extra/* sums them)
         return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
+
+
+def check_token_versions(batch, step: int, staleness: int) -> tuple[float, int]:
+    """(mean, max) over the batch's response tokens of `step` minus the weights version that produced
+    the token. A token more than `staleness` versions old must not reach the loss: raising here stops
+    a queue that ran further ahead than rollout.staleness allows."""
+    ages = [step - v for g in batch.gens for v in (g.versions or [batch.version] * len(g.response_ids))]
+    if not ages:
+        return 0.0, 0
+    worst = max(ages)
+    if worst > staleness:
+        raise RuntimeError(
+            f"step {step + 1}: a token {worst} weight versions old reached the loss (rollout.staleness={staleness})"
+        )
+    return sum(ages) / len(ages), worst
 
 
 def fill_from_parts(rollout, gens: list, parts: list) -> None:

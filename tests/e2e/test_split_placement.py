@@ -63,3 +63,42 @@ def test_killed_split_run_resumes_exactly(tmp_path):
     for step in (4, 5, 6):
         assert resumed[step] == expected[step], f"step {step} differs from the uninterrupted run"
     assert resumed[4]["rollout/staleness"] == 1.0  # the saved batch, not one regenerated with newer weights
+
+
+def test_staleness_two_bounds_every_tokens_version(tmp_path):
+    """rollout.staleness=2: the rollout ranks keep two batches queued, each generated with the weights
+    of the step that requested it; every response token carries its weights version, and none more
+    than 2 versions old reaches the loss. The IS weights are per token (each token's own behaviour
+    log-prob), above 1 somewhere once the batch is stale."""
+    out = str(tmp_path / "run")
+    torchrun_train(
+        out, SPLIT + ["rollout.staleness=2", "algorithm.rollout_is=token", "trainer.total_steps=6"], timeout=240
+    )
+    rows = train_steps(read_metrics(out))
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    for r in rows:  # one-token responses: every token of a batch has the batch's version
+        assert r["rollout/token_staleness_max"] == r["rollout/staleness"] <= 2.0
+        assert r["rollout/token_staleness_mean"] == r["rollout/staleness"]
+        if r["rollout/staleness"] > 0:
+            assert r["is/weight_max"] > 1.0 + 1e-4 and 0 < r["is/weight_mean"] <= 2.0, r
+    # weights sent at steps 1-4 (the queue is topped up), nothing requested ahead at steps 5-6
+    assert [r["sync/bytes"] > 0 for r in rows] == [True] * 4 + [False] * 2
+
+
+def test_killed_run_at_staleness_two_resumes_exactly(tmp_path):
+    """rollout.staleness=2: before each checkpoint the batches still queued on the rollout ranks are
+    taken off and saved with the step (generations, log-probs, versions), so a SIGKILL during step 4
+    and a resume from step 3 log steps 4-6 exactly as the uninterrupted run (which saves nothing)."""
+    common = SPLIT + ["rollout.staleness=2", "algorithm.rollout_is=token", "trainer.total_steps=6"]
+    reference = str(tmp_path / "reference")
+    torchrun_train(reference, common + ["checkpoint.save_every=0", "checkpoint.resume=never"], timeout=240)
+    expected = metrics_by_step(reference, VOLATILE)
+    run = str(tmp_path / "run")
+    kill_during_step_4(run, common + ["checkpoint.save_every=1"])
+    assert not os.path.exists(os.path.join(run, "checkpoints", "step_00000004")), "killed after step 4 was saved"
+    torchrun_train(run, common + ["checkpoint.save_every=1", "checkpoint.resume=auto"], timeout=240)
+    resumed = metrics_by_step(run, VOLATILE)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == expected[step], f"step {step} differs from the uninterrupted run"
+    assert [resumed[s]["rollout/staleness"] for s in (4, 5)] == [2.0, 2.0]  # saved batches, not regenerated

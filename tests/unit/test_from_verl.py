@@ -394,3 +394,25 @@ def test_multi_turn_tool_keys_and_the_rollout_dump_translate():
     custom = from_verl.translate({"actor_rollout_ref.rollout.agent.default_agent_loop": "react_agent"})
     assert any("react_agent" in item for item, _ in custom.unsupported) and "rollout.agent_loop" not in custom.values
     assert from_verl.rlstack_name_for(mt + "max_user_turns") == "rollout.multi_turn.max_user_turns"
+
+
+def test_fully_async_keys_map_to_split_placement_and_staleness():
+    """verl's fully-async recipe: the rollout GPUs become placement.rollout_ranks (on top of the
+    trainer's), staleness_threshold x trigger_parameter_sync_step bound the sample age as
+    rollout.staleness, and partial_rollout=True is listed as unsupported (not built)."""
+    t = from_verl.translate(
+        {
+            "trainer.n_gpus_per_node": 4,
+            "rollout.n_gpus_per_node": 2,
+            "rollout.nnodes": 1,
+            "async_training.staleness_threshold": 0.5,
+            "async_training.trigger_parameter_sync_step": 2,
+            "async_training.partial_rollout": True,
+        }
+    )
+    assert t.values["placement.rollout_ranks"] == 2 and t.world_size == 6
+    assert t.values["rollout.staleness"] == 2  # ceil(1.5 x 2) - 1
+    assert "async_training.partial_rollout=true" in [k for k, _ in t.unsupported]
+    sync = from_verl.translate({"async_training.staleness_threshold": 0, "async_training.partial_rollout": False})
+    assert sync.values["rollout.staleness"] == 0
+    assert not [k for k, _ in sync.unsupported if k.startswith("async_training.")]

@@ -60,7 +60,19 @@ def test_policy_loss_scales_each_token_by_its_weight():
 
 
 def test_bad_level_and_cap_raise():
-    with pytest.raises(ValueError, match="token or sequence"):
+    with pytest.raises(ValueError, match="token, sequence or decoupled"):
         rollout_is_weights(OLD, ROLLOUT, MASK, "none", cap=2.0)
     with pytest.raises(ValueError, match="cap"):
         rollout_is_weights(OLD, ROLLOUT, MASK, "token", cap=0.0)
+
+
+def test_decoupled_level_drops_tokens_past_the_cap_instead_of_truncating():
+    """AReaL's decoupled PPO behaviour weight: pi_prox / pi_behav per token, untruncated below the cap,
+    0 above it (the token leaves the loss), each token its own behaviour log-prob."""
+    w, stats = rollout_is_weights(OLD, ROLLOUT, MASK, "decoupled", cap=2.0)
+    expected = torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0], [0.0, math.exp(0.2), 0.0]])  # e^1 = 2.72 dropped
+    torch.testing.assert_close(w, expected)
+    assert stats["is/units"].item() == 5 and stats["is/clipped_sum"].item() == 1
+    total = math.exp(0.5) + math.exp(-1.0) + 1.0 + math.exp(0.2)
+    assert stats["is/weight_sum"].item() == pytest.approx(total, rel=1e-6)
+    assert stats["is/weight_max"].item() == pytest.approx(math.exp(0.5))
