@@ -447,13 +447,13 @@ class Checkpointer:
 
     def _any(self, flag: bool) -> bool:
         """Collective (it is also the barrier after the writes): did any rank fail?"""
-        import torch
         import torch.distributed as dist
 
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.groups.device)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world)
-        return bool(t.item())
+        from rlstack import collectives
+
+        if not dist.is_initialized():
+            return flag
+        return collectives.max_floats([float(flag)], self.groups.world, self.groups.device)[0] > 0
 
     def _give_up(self, tmp: str, step: int, error, collective: bool = True):
         """The disk filled during the save of `step`: remove step_N.tmp (rank 0), leave `latest` on the

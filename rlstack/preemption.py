@@ -149,13 +149,13 @@ def reason() -> str:
 
 def agree(groups) -> bool:
     """Collective, once a step: does any rank want to stop? (a signal may reach one rank only)."""
-    import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if _state.signum else 0], dtype=torch.int32, device=groups.device)
+    from rlstack import collectives
+
+    stop = bool(_state.signum)
     if dist.is_initialized() and groups.world is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.world)
-    stop = bool(flag.item())
+        stop = collectives.max_floats([float(stop)], groups.world, groups.device)[0] > 0
     if stop:
         _cancel_grace()  # the step finished: the save is not abandoned (a second signal still stops)
         if not _state.signum:
