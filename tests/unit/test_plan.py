@@ -294,3 +294,18 @@ def test_selective_recompute_in_the_plan_and_its_suggestions():
     # on GPUs TE's layer spec fuses the norms into the linears: only the product is suggested there
     gpu = candidate_changes(cfg, plan.kv, dims, "gpu")
     assert [c for c in gpu if next(iter(c)) == "model.recompute_modules"] == [{"model.recompute_modules": ["mlp_act"]}]
+
+
+@pytest.mark.parametrize("device, memory", [("cpu", 24), ("gpu", 80), ("gpu", 8)])
+def test_the_plan_fits_100_columns_and_its_summary_one_line(device, memory):
+    """The table and every line of the plan stay within 100 columns (issue 34: it was 164 wide);
+    the one-line summary a launch prints names the peak, of what, and the verdict."""
+    from rlstack.planner import summarize_plan
+
+    cfg = load_config(CFG_7B)
+    plan = plan_for_config(cfg, 8, memory, device=device, model_config_file=QWEN_7B)
+    lines = format_plan(plan).splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    summary = summarize_plan(plan)
+    assert "\n" not in summary and summary.startswith("memory plan: peak ")
+    assert summary.endswith(": fits") == plan.fits
