@@ -395,7 +395,10 @@ def check_output_dir(cfg):
 
     out = cfg.trainer.output_dir
     _check_writable(out, "trainer.output_dir")
-    live = run_dir.holder(out)
+    # Rank 0 takes the lock before its preflight and is the one that refuses a live run; another
+    # rank of the same job could read the lock while rank 0 is between taking it and writing its
+    # name into it (a killed run's stale name still there) and refuse its own job.
+    live = run_dir.holder(out) if int(os.environ.get("RANK", "0") or 0) == 0 else None
     if live is not None and not run_dir.is_this_job(live):
         raise run_dir.refuse_live(out, live)
     if cfg.checkpoint.dir:
@@ -549,7 +552,17 @@ def _check_writable(path: str, key: str) -> None:
     """`path` is a directory we can write, or can be created under a writable directory.
 
     Probed by doing it (create the missing directories and a file, then remove all of it): root
-    passes os.access everywhere, and /proc or a read-only mount only fail when written."""
+    passes os.access everywhere, and /proc or a read-only mount only fail when written. Every rank
+    probes at once: a directory another rank's probe made and removed under us is probed again."""
+    for _ in range(4):
+        try:
+            return _probe_writable(path, key, retry=True)
+        except FileNotFoundError:
+            continue
+    _probe_writable(path, key, retry=False)
+
+
+def _probe_writable(path: str, key: str, retry: bool) -> None:
     import tempfile
 
     probe = os.path.abspath(path)
@@ -566,12 +579,17 @@ def _check_writable(path: str, key: str) -> None:
     created = []
     try:
         for missing in _missing_dirs(target, probe):
-            os.mkdir(missing)
+            try:
+                os.mkdir(missing)
+            except FileExistsError:  # another rank's probe made it at the same moment: its to remove
+                continue
             created.append(missing)
         fd, name = tempfile.mkstemp(prefix=".rlstack-probe-", dir=target)
         os.close(fd)
         os.remove(name)
     except OSError as e:
+        if retry and isinstance(e, FileNotFoundError):  # raced, or /proc (ENOENT on mkdir): once more
+            raise
         raise UserError(
             f"{key}={path} cannot be written ({e.strerror} at {e.filename or probe}): choose another {key} "
             "or fix its permissions"

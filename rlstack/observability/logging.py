@@ -184,7 +184,8 @@ def user_error_guard(
     """Run fn(); tell a user's mistake (one line, exit 2) from a bug (its traceback once, exit 1).
 
     A user error (`rlstack.errors.UserError` / the bridge's `InputError`): rank 0 prints
-    `error: <message>` to stderr, other ranks print nothing; every rank writes the traceback to its
+    `error: <message>` to stderr; another rank prints `error: rank N: <message>` only if it is still
+    alive after the delay below (the mistake was found on that rank alone); every rank writes the traceback to its
     log file. When the error was raised from the user's own code (a reward function that raised:
     `raise UserError(...) from e`), rank 0 shows that code's traceback once above the line.
     Anything else is a bug: rank 0 prints the traceback and says it is a bug; other ranks print one
@@ -206,8 +207,9 @@ def user_error_guard(
             if e.__cause__ is not None and not isinstance(e.__cause__, USER_ERRORS):
                 _write_console(_traceback_text(e.__cause__), sys.stderr)
             _write_console(f"error: {e}", sys.stderr)
-        else:
-            time.sleep(other_rank_exit_delay_s)
+        else:  # rank 0 prints the same line and exits first, and torchrun stops this rank in the wait;
+            time.sleep(other_rank_exit_delay_s)  # still here: the mistake was this rank's alone, say it
+            _write_console(f"error: rank {rank}: {e}", sys.stderr)
         raise SystemExit(2) from None
     except Exception as e:
         where = log_file_path(log)

@@ -98,6 +98,44 @@ def test_racing_starts_get_exactly_one_lock(tmp_path):
     assert all("in use by a live run" in a for a in answers if a != "won")
 
 
+def _hold_stale(out, ready, release):
+    """A rank 0 that has taken the lock but not yet written its name: a killed run's name is still in the file."""
+    import fcntl
+
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, run_dir.LOCK_FILE)
+    with open(path, "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "since": 0.0, "job": "killed-run@x:1"}, f)
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    ready.set()
+    release.wait(30)
+    os.close(fd)
+
+
+def test_another_rank_never_refuses_its_own_job_while_rank_0_takes_the_lock(tmp_path, monkeypatch):
+    """The killed-run resume race (seen in CI): rank 1's preflight read the lock between rank 0's flock
+    and its name being written, found the killed run's name, and refused its own job (exit 2, silent)."""
+    from rlstack.preflight import check_output_dir
+
+    out = str(tmp_path / "run")
+    ctx = mp.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_stale, args=(out, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        cfg = load_config(TINY, [f"trainer.output_dir={out}"])
+        monkeypatch.setenv("RANK", "1")
+        check_output_dir(cfg)  # rank 0 owns the lock check
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(UserError, match="in use by a live run"):  # rank 0 (or --validate-only) still refuses
+            check_output_dir(cfg)
+    finally:
+        release.set()
+        holder.join(30)
+
+
 # ----------------------------------------------------------------------------- overwrite
 
 
