@@ -135,3 +135,21 @@ def kill_tree(pid: int) -> None:
     tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
     for group in {os.getpgid(p.pid) for p in tree if p.is_running()}:
         os.killpg(group, signal.SIGKILL)
+    _wait_dead(tree[1:])  # the ranks gone (their lock released) before a resume starts
+
+
+def _wait_dead(procs, timeout: float = 30.0) -> None:
+    """Until every process has exited (a zombie counts: its files are closed; PID 1 may never reap it)."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + timeout
+    for p in procs:
+        while time.time() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
