@@ -76,6 +76,17 @@ def _reference_and_sync(out_dir, cache):
     metrics = trainer.train_step()
     out["rollout_diff_max"] = metrics["actor/rollout_diff_max"]
     out["step_sync_bytes"] = metrics["sync/bytes"]
+
+    # 3. rollout.lora_sync=merged: W + scale B A for the adapted linears only, the base still aliased
+    from rlstack.rollout.lora_sync import LoraWeightSync
+
+    _randomise_b(role, 5)
+    merged = LoraWeightSync(trainer.weight_sync.base, role, groups, trainer.engine, merged=True)
+    stats = merged.sync()
+    out["merged_bytes"], out["merged_aliased"] = stats.bytes, stats.aliased_bytes
+    out["merged_aliases_hold"] = trainer.weight_sync.base._aliases_hold()
+    out["merged_verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
+    out["adapted_weight_bytes"] = sum(4 * role.module.get_submodule(n).weight.numel() for n, _ in adapters(role.module))
     trainer.engine.close()
     return out
 
@@ -93,6 +104,10 @@ def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cach
     assert r["aliased"] > 5 * r["sync_bytes"], r  # the frozen base stays aliased (zero copy)
     assert r["verify"] <= 1e-4, r
     assert r["rollout_diff_max"] <= 1e-4, r
+    # rollout.lora_sync=merged: the adapted linears' merged weights written, the base untouched (aliased)
+    assert r["merged_bytes"] == r["adapted_weight_bytes"], r
+    assert r["merged_aliases_hold"] and r["merged_aliased"] == r["aliased"], r
+    assert r["merged_verify"] <= 1e-4, r
 
 
 def _vllm_sync(out_dir, cache):
