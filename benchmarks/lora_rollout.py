@@ -9,8 +9,10 @@ Each repeat runs every variant on the same engine, in a rotated order, so the ma
 them alike: `none` (the base alone, the ceiling), `adapters` (rollout.lora_sync=adapters: W x +
 scale B (A x) per adapted linear) and `merged` (rollout.lora_sync=merged: (W + scale B A) x from the
 engine's own weight). Each variant: one sync (timed) then one generate of --batch prompts x
---new-tokens sampled tokens (eos off: fixed lengths). Prints tokens/s per repeat and the median
-ratio to `adapters`; on a shared machine the ratios are the figures, not the absolute rates.
+--new-tokens sampled tokens (eos off: fixed lengths), after one untimed round of each. Prints tokens
+per wall second and per CPU second of this process (one thread: the CPU time is the work done, less
+disturbed by other processes on a shared machine) per repeat, and the median ratio to `adapters`;
+on a shared machine the ratios are the figures, not the absolute rates.
 
 `smollm2-135m`: SmolLM2-135M's layer shapes (hidden 576, 30 layers, 9 heads / 3 KV heads, MLP 1536,
 tied embeddings) with random weights and the tiny tokenizer's vocabulary (so the LM head is a smaller
@@ -93,7 +95,23 @@ def _parts(opts):
     return role, engine, base, syncs
 
 
-def run(opts) -> dict[str, list[float]]:
+def _round(variant: str, engine, syncs, prompts, params) -> tuple[float, float, float]:
+    """One variant: its sync, then a generate. (sync seconds, tokens per wall second, per CPU second)."""
+    start = time.perf_counter()
+    if variant == "none":
+        _clear_lora(engine)
+    else:
+        syncs[variant].sync()
+    sync_s = time.perf_counter() - start
+    wall, cpu = time.perf_counter(), time.process_time()
+    gens = engine.generate(prompts, params)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    engine.metrics()
+    tokens = sum(len(g.response_ids) for g in gens)
+    return sync_s, tokens / wall, tokens / cpu
+
+
+def run(opts) -> dict[str, dict[str, list[float]]]:
     from rlstack.rollout.interface import SamplingParams
 
     torch.set_num_threads(opts.threads)
@@ -103,32 +121,29 @@ def run(opts) -> dict[str, list[float]]:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (opts.batch, opts.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_new_tokens=opts.new_tokens, n=1, seed=1)
-    rates = {v: [] for v in VARIANTS}
-    sync_s = {v: [] for v in VARIANTS}
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=2))  # first-call kernel set-up
-    engine.metrics()
+    for variant in VARIANTS:  # warm-up at full size: first-call kernels, the merged weights' allocation
+        _round(variant, engine, syncs, prompts, params)
+    out = {k: {v: [] for v in VARIANTS} for k in ("sync_s", "wall", "cpu")}
     for rep in range(opts.repeats):
         order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]  # rotate: no variant always first
         for variant in order:
-            start = time.perf_counter()
-            if variant == "none":
-                _clear_lora(engine)
-            else:
-                syncs[variant].sync()
-            sync_s[variant].append(time.perf_counter() - start)
-            engine.generate(prompts, params)
-            rates[variant].append(engine.metrics()["rollout/tokens_per_s"])
-        line = " ".join(f"{v}={rates[v][-1]:.1f}" for v in VARIANTS)
-        print(f"repeat={rep} tokens_per_s {line}", flush=True)
+            for key, value in zip(("sync_s", "wall", "cpu"), _round(variant, engine, syncs, prompts, params)):
+                out[key][variant].append(value)
+        line = " ".join(f"{v}={out['wall'][v][-1]:.1f}/{out['cpu'][v][-1]:.1f}" for v in VARIANTS)
+        print(f"repeat={rep} tokens per wall / CPU second: {line}", flush=True)
     for v in VARIANTS:
-        ratios = [r / a for r, a in zip(rates[v], rates["adapters"])]
+        wall = [r / a for r, a in zip(out["wall"][v], out["wall"]["adapters"])]
+        cpu = [r / a for r, a in zip(out["cpu"][v], out["cpu"]["adapters"])]
         print(
             f"shape={opts.shape} rank={opts.rank} batch={opts.batch} new_tokens={opts.new_tokens} variant={v} "
-            f"tokens_per_s_median={statistics.median(rates[v]):.1f} ratio_to_adapters={statistics.median(ratios):.3f} "
-            f"ratios={[round(x, 3) for x in ratios]} sync_s_median={statistics.median(sync_s[v]):.4f}",
+            f"tokens_per_s_median={statistics.median(out['wall'][v]):.1f} "
+            f"tokens_per_cpu_s_median={statistics.median(out['cpu'][v]):.1f} "
+            f"wall_ratio_to_adapters={statistics.median(wall):.3f} {[round(x, 3) for x in wall]} "
+            f"cpu_ratio_to_adapters={statistics.median(cpu):.3f} {[round(x, 3) for x in cpu]} "
+            f"sync_s_median={statistics.median(out['sync_s'][v]):.4f}",
             flush=True,
         )
-    return rates
+    return out
 
 
 def main(argv=None) -> int:
