@@ -29,7 +29,7 @@ log = logging.getLogger("rlstack")
 
 LORA_SYNCS = ("auto", "adapters", "merged")
 # hf engine's rollout.lora_sync=auto, by benchmarks/lora_rollout.py (docs/lora.md "hf engine: adapters or merged")
-HF_DEFAULT = "adapters"
+HF_DEFAULT = "merged"
 
 
 def lora_sync_mode(rollout_cfg) -> str:

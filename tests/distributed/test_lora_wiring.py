@@ -65,11 +65,16 @@ def _reference_and_sync(out_dir, cache):
     out["ref_vs_base"] = float((rollout.ref_logprob - base_lp)[mask].abs().max())
     out["ref_vs_actor"] = float((rollout.ref_logprob - actor_lp)[mask].abs().max())
 
-    # 2. the sync after an adapter update: adapter bytes only, the engine agrees with the actor
+    # 2. the sync after an adapter update (rollout.lora_sync=auto = merged on the hf engine: W + scale
+    # B A for the adapted linears only, the base still aliased); the engine agrees with the actor
+    from rlstack.rollout.lora_sync import LoraWeightSync
+
+    out["default_merged"] = trainer.weight_sync.merged
     _randomise_b(role, 2)
     stats = trainer.weight_sync.sync()
-    adapter_bytes = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
-    out["sync_bytes"], out["aliased"], out["adapter_bytes"] = stats.bytes, stats.aliased_bytes, adapter_bytes
+    out["sync_bytes"], out["aliased"] = stats.bytes, stats.aliased_bytes
+    out["aliases_hold"] = trainer.weight_sync.base._aliases_hold()
+    out["adapted_weight_bytes"] = sum(4 * role.module.get_submodule(n).weight.numel() for n, _ in adapters(role.module))
     probe = sync_check.probe_prompts(trainer.source.train_set)
     out["verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
     # a whole step (sampled rollout on the engine's packed weights + lean decode; the update moves A, B)
@@ -77,16 +82,13 @@ def _reference_and_sync(out_dir, cache):
     out["rollout_diff_max"] = metrics["actor/rollout_diff_max"]
     out["step_sync_bytes"] = metrics["sync/bytes"]
 
-    # 3. rollout.lora_sync=merged: W + scale B A for the adapted linears only, the base still aliased
-    from rlstack.rollout.lora_sync import LoraWeightSync
-
+    # 3. rollout.lora_sync=adapters: scale * B (A x) at run time beside the aliased base, adapter bytes only
     _randomise_b(role, 5)
-    merged = LoraWeightSync(trainer.weight_sync.base, role, groups, trainer.engine, merged=True)
-    stats = merged.sync()
-    out["merged_bytes"], out["merged_aliased"] = stats.bytes, stats.aliased_bytes
-    out["merged_aliases_hold"] = trainer.weight_sync.base._aliases_hold()
-    out["merged_verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
-    out["adapted_weight_bytes"] = sum(4 * role.module.get_submodule(n).weight.numel() for n, _ in adapters(role.module))
+    runtime = LoraWeightSync(trainer.weight_sync.base, role, groups, trainer.engine, merged=False)
+    stats = runtime.sync()
+    out["adapter_sync_bytes"], out["adapter_aliased"] = stats.bytes, stats.aliased_bytes
+    out["adapter_bytes"] = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
+    out["adapter_verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
     trainer.engine.close()
     return out
 
@@ -98,16 +100,17 @@ def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cach
     assert r["base_trainable"] == 0, "the actor's base weights must be frozen"
     assert r["ref_vs_base"] <= 1e-6, r  # the reference is the base model (adapters off)
     assert r["ref_vs_actor"] > 1e-3, r  # ... and not the adapted actor
-    # q/k/v (gate/up) each get the fused linear's A: the engine holds A once per HF module
-    assert r["adapter_bytes"] <= r["sync_bytes"] < 2 * r["adapter_bytes"], r
-    assert r["step_sync_bytes"] == r["sync_bytes"], "later syncs move the adapters only"
-    assert r["aliased"] > 5 * r["sync_bytes"], r  # the frozen base stays aliased (zero copy)
+    # rollout.lora_sync=auto on hf: merged weights of the adapted linears only, the base untouched (aliased)
+    assert r["default_merged"], "the hf engine's measured default is merged (docs/lora.md)"
+    assert r["sync_bytes"] == r["adapted_weight_bytes"], r
+    assert r["aliases_hold"] and r["aliased"] > r["sync_bytes"], r
+    assert r["step_sync_bytes"] == r["sync_bytes"], "later syncs move the same merged weights, not the base"
     assert r["verify"] <= 1e-4, r
     assert r["rollout_diff_max"] <= 1e-4, r
-    # rollout.lora_sync=merged: the adapted linears' merged weights written, the base untouched (aliased)
-    assert r["merged_bytes"] == r["adapted_weight_bytes"], r
-    assert r["merged_aliases_hold"] and r["merged_aliased"] == r["aliased"], r
-    assert r["merged_verify"] <= 1e-4, r
+    # rollout.lora_sync=adapters: q/k/v (gate/up) each get the fused linear's A, held once per HF module
+    assert r["adapter_bytes"] <= r["adapter_sync_bytes"] < 2 * r["adapter_bytes"], r
+    assert r["adapter_aliased"] == r["aliased"] > 5 * r["adapter_sync_bytes"], r  # the base stays aliased
+    assert r["adapter_verify"] <= 1e-4, r
 
 
 def _vllm_sync(out_dir, cache):
