@@ -96,6 +96,11 @@ def _reference_and_sync(out_dir, cache):
 def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cache):
     results = run_distributed(_reference_and_sync, 2, str(tmp_path), tiny_cache, timeout=300)
     r = results[0]
+    print(
+        f"hf + LoRA: merged (default) {r['sync_bytes']} B, engine - actor {r['verify']:.1e}, step rollout_diff_max "
+        f"{r['rollout_diff_max']:.1e}; adapters {r['adapter_sync_bytes']} B, {r['adapter_verify']:.1e}; "
+        f"aliased {r['aliased']} B; ref vs actor {r['ref_vs_actor']:.2f}"
+    )
     assert not r["ref_role"], "with model.lora no reference role is built"
     assert r["base_trainable"] == 0, "the actor's base weights must be frozen"
     assert r["ref_vs_base"] <= 1e-6, r  # the reference is the base model (adapters off)
