@@ -4,14 +4,15 @@ The base weights never change under LoRA, so `LoraWeightSync` runs the full `Wei
 `rollout.zero_copy` the hf engine then aliases the actor's frozen base: 0 bytes) and afterwards only
 when that aliasing broke (offload rebinds the actor's parameters). Each sync then gathers the
 adapters in TP1 megatron layout (`megatron_bridge.lora.adapter_state`, collective over TP and PP),
-names them for HF (`lora_export.hf_adapters`) and hands them to the engine's `set_adapters`,
-which adds `scale * B (A x)` to each adapted linear's output (rlstack/rollout/hf_engine.py).
-`sync/bytes` counts the adapter bytes handed over.
+names them for HF (`lora_export.hf_adapters`) and hands them to the engine's `set_adapters`
+(rlstack/rollout/hf_engine.py, vllm_engine.py). `sync/bytes` counts the bytes the engine receives.
 
 `rollout.lora_sync` picks how the adapters reach the engine (`lora_sync_mode`):
-- hf, `adapters`: as above; `merged`: the same sync, but the engine keeps `W + scale B A` for the
-  adapted linears only, in weights of its own (the aliased base is not written); `sync/bytes` is
-  the merged weights' bytes. `auto` = `HF_DEFAULT`, the faster one in benchmarks/lora_rollout.py.
+- hf, `adapters`: each adapted linear adds `scale * B (A x)` to its output beside the aliased base;
+  `sync/bytes` is the adapter bytes. `merged`: the engine keeps `W + scale B A` for the adapted
+  linears only, in weights of its own (the aliased base is not written); `sync/bytes` is the merged
+  weights' bytes. `auto` = `HF_DEFAULT` = merged, the faster one in benchmarks/lora_rollout.py
+  (1.28x the rollout tokens per CPU second at SmolLM2-135M shapes, docs/lora.md).
 - vllm, `adapters` (`auto`): vLLM's own LoRA path: the engine starts with `enable_lora` and each
   sync loads the adapters as a new `LoRARequest` (VLLMEngine.set_adapters); the base is loaded once.
   `merged` (`MergedLoraSync`): the sync's source tensors for the adapted linears are

