@@ -46,6 +46,7 @@ VARIANTS = ("none", "adapters", "merged")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lora_rollout")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="vllm: its LoRA path vs merged weights")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--batch", type=int, default=16, help="prompts per generate call (= rows: n=1)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -85,6 +86,8 @@ def _parts(opts):
     with torch.no_grad():  # B = 0 would make every variant the base model's function
         for _, adapter in adapters(role.module):
             adapter.B.copy_(torch.randn(adapter.B.shape, generator=gen) * 0.02)
+    if opts.engine == "vllm":
+        return (role, *_vllm_parts(opts, hf_dir, groups, role))
     cfg = RolloutConfig(engine="hf", micro_batch_size=opts.batch, max_new_tokens=opts.new_tokens)
     engine = build_engine(cfg, hf_dir, groups, eos_token_id=-1, pad_token_id=0)
     base = WeightSync(role.module, role.args, groups, engine, zero_copy=True)
@@ -95,8 +98,49 @@ def _parts(opts):
     return role, engine, base, syncs
 
 
+class _VllmVariant:
+    """vLLM: `adapters` = its LoRA path (a LoRARequest per sync), `merged` = the whole model merged
+    through its loader with no LoRARequest (rollout.lora_sync=merged). `prepare` (untimed) undoes
+    the other variant: merged weights are replaced by the base before the adapters run again."""
+
+    def __init__(self, variant: str, engine, base, sync):
+        self.variant, self.engine, self.base, self._sync = variant, engine, base, sync
+
+    def prepare(self) -> None:
+        if self.variant == "merged":
+            self.engine._lora_request = None
+        elif self.engine._lora_request is None:
+            self.base.sync()  # the base back in place of the merged weights
+
+    def sync(self):
+        return self._sync.sync()
+
+
+def _vllm_parts(opts, hf_dir, groups, role):
+    from megatron_bridge.reshard import WeightSync
+    from rlstack.config import RolloutConfig
+    from rlstack.rollout.base import build_engine
+    from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
+
+    cfg = RolloutConfig(
+        engine="vllm",
+        max_num_seqs=opts.batch,
+        max_model_len=opts.prompt_len + opts.new_tokens,
+        max_new_tokens=opts.new_tokens,
+    )
+    engine = build_engine(cfg, hf_dir, groups, eos_token_id=-1, pad_token_id=0, lora_rank=opts.rank)
+    base = WeightSync(role.module, role.args, groups, engine, zero_copy=False)
+    syncs = {
+        "adapters": _VllmVariant("adapters", engine, base, LoraWeightSync(base, role, groups, engine)),
+        "merged": _VllmVariant("merged", engine, base, MergedLoraSync(base, role, groups)),
+    }
+    return engine, base, syncs
+
+
 def _round(variant: str, engine, syncs, prompts, params) -> tuple[float, float, float]:
     """One variant: its sync, then a generate. (sync seconds, tokens per wall second, per CPU second)."""
+    if hasattr(syncs.get(variant), "prepare"):
+        syncs[variant].prepare()
     start = time.perf_counter()
     if variant == "none":
         _clear_lora(engine)
@@ -121,21 +165,23 @@ def run(opts) -> dict[str, dict[str, list[float]]]:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (opts.batch, opts.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_new_tokens=opts.new_tokens, n=1, seed=1)
-    for variant in VARIANTS:  # warm-up at full size: first-call kernels, the merged weights' allocation
+    variants = VARIANTS if opts.engine == "hf" else VARIANTS[1:]  # vLLM: no `none` (merged costs the same)
+    for variant in variants:  # warm-up at full size: first-call kernels, the merged weights' allocation
         _round(variant, engine, syncs, prompts, params)
-    out = {k: {v: [] for v in VARIANTS} for k in ("sync_s", "wall", "cpu")}
+    out = {k: {v: [] for v in variants} for k in ("sync_s", "wall", "cpu")}
     for rep in range(opts.repeats):
-        order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]  # rotate: no variant always first
+        k = rep % len(variants)
+        order = variants[k:] + variants[:k]  # rotate: no variant always first
         for variant in order:
             for key, value in zip(("sync_s", "wall", "cpu"), _round(variant, engine, syncs, prompts, params)):
                 out[key][variant].append(value)
-        line = " ".join(f"{v}={out['wall'][v][-1]:.1f}/{out['cpu'][v][-1]:.1f}" for v in VARIANTS)
+        line = " ".join(f"{v}={out['wall'][v][-1]:.1f}/{out['cpu'][v][-1]:.1f}" for v in variants)
         print(f"repeat={rep} tokens per wall / CPU second: {line}", flush=True)
-    for v in VARIANTS:
+    for v in variants:
         wall = [r / a for r, a in zip(out["wall"][v], out["wall"]["adapters"])]
         cpu = [r / a for r, a in zip(out["cpu"][v], out["cpu"]["adapters"])]
         print(
-            f"shape={opts.shape} rank={opts.rank} batch={opts.batch} new_tokens={opts.new_tokens} variant={v} "
+            f"engine={opts.engine} shape={opts.shape} rank={opts.rank} batch={opts.batch} new_tokens={opts.new_tokens} variant={v} "
             f"tokens_per_s_median={statistics.median(out['wall'][v]):.1f} "
             f"tokens_per_cpu_s_median={statistics.median(out['cpu'][v]):.1f} "
             f"wall_ratio_to_adapters={statistics.median(wall):.3f} {[round(x, 3) for x in wall]} "

@@ -70,6 +70,7 @@ class VLLMEngine(RolloutEngine):
         # model.lora with rollout.lora_sync=adapters: vLLM's own LoRA path (set_adapters)
         self.lora_rank = lora_rank
         self._lora_request = None  # the adapter every generate() runs with; None: the base model
+        self._lora_versions = 0  # LoRARequest ids handed out: never reused (vLLM caches adapters by id)
         self._lora_dir = tempfile.mkdtemp(prefix="rlstack-vllm-lora-") if lora_rank else None
         self._hf_shapes: Optional[dict[str, tuple[int, ...]]] = None
         self._counters = {"tokens": 0, "sequences": 0, "seconds": 0.0}
@@ -120,7 +121,8 @@ class VLLMEngine(RolloutEngine):
                 "this vLLM engine was started without LoRA (rollout.lora_sync=merged); it takes no adapters"
             )
         old = self._lora_request
-        version = 1 if old is None else old.lora_int_id + 1
+        self._lora_versions += 1
+        version = self._lora_versions
         rank = next(iter(adapters.values()))[0].shape[0]
         path = write_peft_modules(os.path.join(self._lora_dir, f"v{version}"), adapters, alpha=scale * rank)
         request = LoRARequest(f"rlstack-v{version}", version, path)
