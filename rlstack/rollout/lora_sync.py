@@ -73,6 +73,8 @@ class LoraWeightSync:
                 how = f"keeps merged weights W + scale * B A for the adapted linears only (its {base} base unwritten)"
             elif type(engine).__name__ == "VLLMEngine":
                 how = f"loads them through vLLM's LoRA path (a LoRARequest per version; its {base} base)"
+                if not getattr(engine, "on_gpu", True):  # measured in docs/lora.md (benchmarks/lora_rollout.py)
+                    how += "; on CPU rollout.lora_sync=merged generated 1.76x faster (SmolLM2-135M shapes)"
             else:
                 how = f"applies the adapters itself (scale * B A x beside its {base} base)"
             moved = "the adapted linears' merged weights" if merged else "the adapters only"
