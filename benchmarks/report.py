@@ -298,6 +298,8 @@ def trl_table(results: dict, f: dict) -> list[str]:
                 fmt_gib(g.get("trl/peak_rss_gib")),
                 _ratio(g.get("ratio/peak_memory")),
             ),
+            # a LoRA setting (--lora) beside full training: the sync moves adapter bytes (TRL: no sync)
+            _row("weight sync bytes (rank 0)", label, fmt_stat(g.get("sync/bytes"), "B")[0], "-", ""),
         ]
     return lines
 

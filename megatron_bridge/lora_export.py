@@ -53,8 +53,13 @@ def hf_adapters(adapters: dict[str, torch.Tensor], args) -> dict[str, tuple[torc
 
 def peft_state_dict(adapters: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """The tensors of `adapter_model.safetensors`, under PEFT's saved names (no adapter name)."""
+    return peft_module_state(hf_adapters(adapters, args))
+
+
+def peft_module_state(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`peft_state_dict` of adapters already under HF module names (`hf_adapters`' output)."""
     state = {}
-    for module, (a, b) in hf_adapters(adapters, args).items():
+    for module, (a, b) in modules.items():
         state[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # a copy each: PEFT's modules own theirs
         state[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
     return state
@@ -62,7 +67,11 @@ def peft_state_dict(adapters: dict[str, torch.Tensor], args) -> dict[str, torch.
 
 def peft_config(adapters: dict[str, torch.Tensor], args, alpha: float, dropout: float, base_model: str) -> dict:
     """`adapter_config.json`: LoRA on the HF modules the adapters cover (scale alpha / r, as ours)."""
-    modules = hf_adapters(adapters, args)
+    return peft_module_config(hf_adapters(adapters, args), alpha, dropout, base_model)
+
+
+def peft_module_config(modules: dict, alpha: float, dropout: float = 0.0, base_model: str = "") -> dict:
+    """`peft_config` of adapters already under HF module names."""
     rank = next(iter(modules.values()))[0].shape[0]
     return {
         "peft_type": "LORA",
@@ -85,13 +94,24 @@ def write_peft_adapter(
     out: str, adapters: dict[str, torch.Tensor], args, alpha: float, dropout: float = 0.0, base_model: str = ""
 ) -> str:
     """Write `out/adapter_config.json` and `out/adapter_model.safetensors`; returns `out`."""
+    return write_peft_modules(out, hf_adapters(adapters, args), alpha, dropout, base_model)
+
+
+def write_peft_modules(
+    out: str,
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    alpha: float,
+    dropout: float = 0.0,
+    base_model: str = "",
+) -> str:
+    """`write_peft_adapter` for adapters under HF module names (the weight sync's form: vLLM's LoRA path)."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in peft_state_dict(adapters, args).items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in peft_module_state(modules).items()}
     save_file(state, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(adapters, args, alpha, dropout, base_model), f, indent=2)
+        json.dump(peft_module_config(modules, alpha, dropout, base_model), f, indent=2)
     return out
 
 

@@ -91,7 +91,10 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
         engine, (weight_sync, split) = None, _split_parts(cfg, groups, placement, actor)
     else:
         tok = data.tokenizer
-        engine = build_engine(cfg.rollout, data.hf_dir, groups, tok.eos_token_id, tok.pad_token_id)
+        from rlstack.rollout.lora_sync import vllm_lora_rank
+
+        lora_rank = vllm_lora_rank(cfg)  # > 0: vLLM starts with its LoRA path (rollout.lora_sync)
+        engine = build_engine(cfg.rollout, data.hf_dir, groups, tok.eos_token_id, tok.pad_token_id, lora_rank)
         weight_sync = WeightSync(
             actor.role.module,
             actor.role.args,
@@ -101,11 +104,13 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
             zero_copy=cfg.rollout.zero_copy,
         )
         if actor.role.lora is not None:  # the frozen base once, then the adapters only
-            from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
+            from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync, lora_sync_mode
 
-            if hasattr(engine, "set_adapters"):
-                weight_sync = LoraWeightSync(weight_sync, actor.role, groups, engine)
-            else:
+            mode = lora_sync_mode(cfg.rollout)  # rollout.lora_sync
+            if cfg.rollout.engine == "hf" or mode == "adapters":
+                merged = mode == "merged"  # hf: merged weights for the adapted linears only
+                weight_sync = LoraWeightSync(weight_sync, actor.role, groups, engine, merged=merged)
+            else:  # vLLM, merged: the whole model through its loader
                 weight_sync = MergedLoraSync(weight_sync, actor.role, groups)
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)

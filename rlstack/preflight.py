@@ -119,6 +119,14 @@ def _check_lora_rollout(cfg) -> None:
             f"model.lora.rank={cfg.model.lora.rank} with placement.rollout_ranks={cfg.placement.rollout_ranks}: "
             "the split sync does not send adapters yet; set placement.rollout_ranks=0 (colocated) or model.lora.rank=0"
         )
+    from rlstack.rollout.lora_sync import lora_sync_mode
+    from rlstack.rollout.vllm_engine import vllm_max_lora_rank
+
+    if cfg.rollout.engine == "vllm" and lora_sync_mode(cfg.rollout) == "adapters":
+        try:  # vLLM's LoRA path takes ranks up to 512
+            vllm_max_lora_rank(cfg.model.lora.rank)
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
 
 def _check_lora_shape(key: str, lora, args, ep: int) -> None:

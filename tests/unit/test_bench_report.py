@@ -479,3 +479,32 @@ def test_machine_names_the_cpu_flags_that_set_its_matmul_rate():
 
     flags = _cpu_flags()
     assert flags in ("-", "unknown") or set(flags.split()) <= set(VECTOR_FLAGS)
+
+
+def test_lora_setting_renders_beside_full_training():
+    """benchmarks/run.py --lora RANK: a `lora` setting (TRL's pair: its ref run) with step time, peak
+    memory and sync bytes in the table beside the full-training settings."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.run import settings_of
+
+    cfg = NS(
+        algorithm=NS(name="grpo", kl_loss_coef=0.002, use_kl_loss=False, use_kl_in_reward=False),
+        data=NS(synthetic="arith"),
+    )
+    st = settings_of(NS(settings="no_ref,ref", lora=8), cfg)
+    assert list(st) == ["no_ref", "ref", "lora"]
+    assert st["lora"]["overrides"][0] == "model.lora.rank=8" and st["lora"]["trl_from"] == "ref"
+    assert st["lora"]["reference"] is False  # the reference is the actor with its adapters off
+    results = _two_settings()
+    lora = copy.deepcopy(results["settings"]["ref"])
+    lora["trainer"]["steps"] = [_step(s, **{"sync/bytes": 131072}) for s in (100.0, 14.0, 16.0, 15.0)]
+    lora["trainer"]["memory"] = {"per_rank_rss_gib": [2.0, 2.0], "sum_rss_gib": 4.0}
+    lora.update(label=st["lora"]["label"], reference=False)
+    results["settings"]["lora"] = lora
+    text = report.render_markdown(results, analysis.derive(results))
+    label = st["lora"]["label"]
+    assert f"| step time | {label} | 15 s | 30 s | 0.50x |" in text
+    assert f"| peak memory, all processes (RSS) | {label} | 4.00 GiB |" in text
+    assert f"| weight sync bytes (rank 0) | {label} | 131 kB | - |" in text
+    assert "| weight sync bytes (rank 0) | with reference | 1 kB | - |" in text

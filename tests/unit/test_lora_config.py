@@ -117,3 +117,29 @@ def test_resume_refuses_other_lora_settings():
         _check_lora_compatible("ck", "actor", record, other)
     with pytest.raises(CheckpointError, match="LoRA {'rank': 0}, this run has .*critic.lora"):
         _check_lora_compatible("ck", "critic", None, record)
+
+
+def test_rollout_lora_sync_per_engine_and_vllm_rank():
+    """rollout.lora_sync: auto = hf's measured default / vLLM's own LoRA path; vLLM's max_lora_rank
+    is the smallest rank it accepts; above 512 its LoRA path is refused at preflight (merged is not)."""
+    from rlstack.rollout.lora_sync import HF_DEFAULT, lora_sync_mode, vllm_lora_rank
+    from rlstack.rollout.vllm_engine import vllm_max_lora_rank
+
+    assert lora_sync_mode(_cfg().rollout) == HF_DEFAULT
+    assert lora_sync_mode(_cfg("rollout.engine=vllm").rollout) == "adapters"
+    assert lora_sync_mode(_cfg("rollout.engine=vllm", "rollout.lora_sync=merged").rollout) == "merged"
+    assert lora_sync_mode(_cfg("rollout.lora_sync=merged").rollout) == "merged"
+    with pytest.raises(ConfigError, match="rollout.lora_sync"):
+        _cfg("rollout.lora_sync=both")
+    # vLLM starts with enable_lora only for LoRA with its adapter path
+    assert vllm_lora_rank(_cfg("rollout.engine=vllm", "model.lora.rank=4")) == 4
+    assert vllm_lora_rank(_cfg("rollout.engine=vllm")) == 0
+    assert vllm_lora_rank(_cfg("rollout.engine=vllm", "model.lora.rank=4", "rollout.lora_sync=merged")) == 0
+    assert vllm_lora_rank(_cfg("model.lora.rank=4")) == 0  # hf
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(
+        UserError, match=r"model.lora.rank=600 is above vLLM's largest LoRA rank 512: set rollout.lora_sync=merged"
+    ):
+        check_lora(_cfg("rollout.engine=vllm", "model.lora.rank=600"))
+    with pytest.raises(UserError, match="is larger than"):  # merged: not vLLM's limit, the layer's
+        check_lora(_cfg("rollout.engine=vllm", "model.lora.rank=600", "rollout.lora_sync=merged"))

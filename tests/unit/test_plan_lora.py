@@ -56,3 +56,19 @@ def _shape(plan):
     with open(QWEN_7B) as f:
         hf = json.load(f)
     return shape_of(model_args(hf, QWEN_7B), plan.tp)
+
+
+def test_hf_engine_merged_lora_weights_are_counted():
+    """rollout.lora_sync=merged: the hf engine holds W + scale B A of every adapted linear (fp32 on CPU)."""
+    from rlstack.planner.items import _merged_lora_items
+    from tests.unit.test_preflight import TINY
+
+    # S (h 8, q 8, kv 4, f 16, 2 layers): qkv 16x8 + proj 8x8 + fc1 32x8 + fc2 8x16 per layer
+    assert m.lora_merged_params(S) == (128 + 64 + 256 + 128) * S.num_layers
+    assert m.lora_merged_params(S, ("linear_qkv",)) == 128 * S.num_layers
+    cfg = load_config(TINY, ["model.lora.rank=2", "rollout.lora_sync=merged"])
+    (item,) = _merged_lora_items(cfg, S, "cpu")
+    assert item.at("rollout") == item.at("update") == m.lora_merged_params(S) * 4
+    assert _merged_lora_items(load_config(TINY, ["model.lora.rank=2", "rollout.lora_sync=adapters"]), S, "cpu") == []
+    merged_vllm = ["model.lora.rank=2", "rollout.lora_sync=merged", "rollout.engine=vllm"]
+    assert _merged_lora_items(load_config(TINY, merged_vllm), S, "cpu") == []  # vLLM's own copy is the merged one
