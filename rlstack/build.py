@@ -221,6 +221,7 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
     forwards = ScoreForwards(parts.actor, parts.ref, parts.critic, mbs, temperature, phases.offload)
     a = cfg.algorithm
     forwards.ref_from_actor = parts.actor.role.lora is not None and (a.use_kl_loss or a.use_kl_in_reward)
+    forwards.sum_pi_squared = adv_estimator(cfg) == "optimal_token_baseline"
     data = (parts.train_set, parts.sampler, parts.tokenizer, scoring)
     if parts.split is not None:
         source = SplitSource(cfg, groups, parts.split, *data, forwards)

@@ -284,12 +284,9 @@ def check_reward(cfg, data_sources: list) -> None:
 
 # ----------------------------------------------------------------------------- algorithm parameters
 
-# Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks.
-_NEEDS_TRAINER = {
-    "optimal_token_baseline": (
-        "sum_pi_squared, the sum over the vocabulary of each token's squared probability, from the actor's forward"
-    ),
-}
+# Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks. None today
+# (optimal_token_baseline's sum_pi_squared comes from the old-log-prob forward, ScoreForwards.fill).
+_NEEDS_TRAINER: dict[str, str] = {}
 # (parameter, test, what it must be) of each policy loss's own parameters (algorithm.policy_loss_params).
 _LOSS_PARAM_RANGES = {
     "tau_pos": (lambda v: v > 0, "> 0"),
@@ -345,10 +342,12 @@ def _check_estimator_inputs(cfg, estimator: str) -> None:
             f"algorithm.adv_estimator={estimator} needs {_NEEDS_TRAINER[estimator]}, which rlstack's trainer "
             "does not provide yet: choose grpo, rloo, opo or another estimator"
         )
-    if a.gdpo_reward_keys and estimator == "gdpo":
+    extra_keys = [k for k in a.gdpo_reward_keys if k != "score"]
+    if extra_keys and estimator == "gdpo" and not cfg.data.reward_fn_file:
         raise UserError(
-            "algorithm.gdpo_reward_keys: the trainer does not pass the reward function's per-key scores to "
-            "the advantages yet; leave it [] (gdpo then normalises the one score, as verl without keys)"
+            f"algorithm.gdpo_reward_keys={list(a.gdpo_reward_keys)} names keys of a custom reward function's "
+            "returned dict, and the built-in rules return only 'score': set data.reward_fn_file to a function "
+            f"returning {{'score': ..., {', '.join(repr(k) + ': ...' for k in extra_keys)}}}"
         )
     if a.gdpo_reward_weights and len(a.gdpo_reward_weights) != len(a.gdpo_reward_keys):
         raise UserError(

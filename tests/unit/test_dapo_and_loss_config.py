@@ -69,8 +69,13 @@ def test_every_new_loss_and_estimator_name_validates():
     for name in ("sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"):
         check_algorithm_params(cfg_of(f"algorithm.policy_loss={name}"))
     check_algorithm_params(cfg_of("algorithm.policy_loss=dro", "algorithm.policy_loss_params.dro_beta=0.1"))
-    for name in ("opo", "grpo_passk", "gpg", "gdpo"):
+    for name in ("opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline"):
         check_algorithm_params(cfg_of(f"algorithm.adv_estimator={name}"))
+    # gdpo keys: "score" alone needs no custom function; other keys need one (the file is checked elsewhere)
+    check_algorithm_params(cfg_of("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[score]"))
+    check_algorithm_params(
+        cfg_of("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "data.reward_fn_file=r.py")
+    )
     with pytest.raises(ConfigError, match="choose one of"):
         cfg_of("algorithm.policy_loss=ppo2")
 
@@ -95,10 +100,9 @@ def test_every_new_loss_and_estimator_name_validates():
             ["algorithm.policy_loss=kl_cov", "algorithm.policy_loss_params.ppo_kl_coef=-1"],
             "ppo_kl_coef is -1.0 .* >= 0",
         ),
-        (["algorithm.adv_estimator=optimal_token_baseline"], "needs sum_pi_squared"),
         (
             ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"],
-            "the trainer does not pass the reward function's per-key scores",
+            "built-in rules return only 'score': set data.reward_fn_file",
         ),
         (["algorithm.gdpo_reward_weights=[1.0]"], "1 weights for 0 gdpo_reward_keys"),
         (["reward.overlong_buffer.enable=true"], "reward.overlong_buffer.len is 0: it must lie in \\[1, "),
