@@ -230,7 +230,7 @@ def fill_from_parts(rollout, gens: list, parts: list) -> None:
     """
     row_of = {id(x): r for r, x in enumerate(gens)}
     for name in ("old_logprob", "ref_logprob", "old_values", "sum_pi_squared"):
-        if not parts or getattr(parts[0][2], name) is None:
+        if not parts or getattr(parts[0][2], name, None) is None:
             continue
         like = getattr(parts[0][2], name)
         full = torch.zeros(rollout.tokens.shape, dtype=like.dtype, device=like.device)  # [B', S]
