@@ -1,6 +1,6 @@
 """optimal_token_baseline through the trainer: the old-log-prob forward gives sum_pi_squared, and the
-advantages of a fixed batch agree at TP1 (one rank) and TP2 (two ranks: the vocabulary split, the
-partial sums all-reduced over the TP group); then one real train_step at TP2 with the estimator.
+advantages of a fixed batch agree at TP1 (one rank), TP2 (two ranks: the vocabulary split, the
+partial sums all-reduced over the TP group) and PP2; then one real train_step at TP2 with the estimator.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ OVERRIDES = [
     "data.train_batch_size=2",
     "rollout.n=4",
     "rollout.max_new_tokens=4",
+    "rollout.temperature=0.2",  # peaked distributions: sum_pi_squared far from 1/V, and it moves the baseline
     "algorithm.micro_batch_size=8",
     "algorithm.use_kl_loss=false",
     "logging.progress=false",
@@ -43,14 +44,12 @@ def _fixed_rollout(trainer):
     )
 
 
-def _worker(tp: int, out_dir: str, cache: str, step: bool):
+def _worker(layout: str, out_dir: str, cache: str, step: bool):
     from megatron_bridge.parallel import init_distributed
     from rlstack.config import load_config
     from rlstack.trainer import build_trainer
 
-    cfg = load_config(
-        CONFIG, [f"trainer.output_dir={out_dir}", f"model.cache_dir={cache}", f"parallel.tp={tp}", *OVERRIDES]
-    )
+    cfg = load_config(CONFIG, [f"trainer.output_dir={out_dir}", f"model.cache_dir={cache}", layout, *OVERRIDES])
     p = cfg.parallel
     groups = init_distributed(p.tp, p.pp, p.dp, "gloo", 5, seed=cfg.trainer.seed)
     trainer = build_trainer(cfg, groups)
@@ -76,18 +75,21 @@ def test_otb_tp1_equals_tp2_and_a_tp2_step_trains(tmp_path, tiny_cache):
 
     from rlstack.algorithms.advantage_variants import optimal_token_baseline
 
-    tp1 = run_distributed(_worker, 1, 1, str(tmp_path / "tp1"), tiny_cache, False, timeout=120)[0]
-    tp2 = run_distributed(_worker, 2, 2, str(tmp_path / "tp2"), tiny_cache, True, timeout=120)
+    tp1 = run_distributed(_worker, 1, "parallel.tp=1", str(tmp_path / "tp1"), tiny_cache, False, timeout=120)[0]
+    tp2 = run_distributed(_worker, 2, "parallel.tp=2", str(tmp_path / "tp2"), tiny_cache, True, timeout=120)
+    # PP2: the last stage computes both, every stage receives them (broadcast_from_last_stage)
+    pp2 = run_distributed(_worker, 2, "parallel.pp=2", str(tmp_path / "pp2"), tiny_cache, False, timeout=120)
     mask = tp1["mask"] > 0
     sq = tp1["sum_pi_squared"]
     # a distribution's sum of p^2 lies in [1/V, 1] (V = 300 tokens); 0 where no log-prob is read
     assert bool((sq[mask] > 1 / 300).all() and (sq[mask] <= 1).all()) and float(sq[~mask].abs().max()) == 0.0
-    for rank, out in enumerate(tp2):
-        for key in ("sum_pi_squared", "old_logprob", "advantages"):
-            diff = float((out[key] - tp1[key]).abs().max())
-            print(f"TP2 rank {rank} vs TP1 {key}: max abs diff {diff:.3g}")
-            assert diff < 1e-5, (rank, key, diff)
-        assert out["finite"] and out["step"] == 1
+    for name, outs in (("TP2", tp2), ("PP2", pp2)):
+        for rank, out in enumerate(outs):
+            for key in ("sum_pi_squared", "old_logprob", "advantages"):
+                diff = float((out[key] - tp1[key]).abs().max())
+                print(f"{name} rank {rank} vs TP1 {key}: max abs diff {diff:.3g}")
+                assert diff < 1e-5, (name, rank, key, diff)
+    assert all(out["finite"] and out["step"] == 1 for out in tp2)
     # the trainer's advantages are the pure function's on what the forward gave (no IS, no KL in reward)
     scores = torch.tensor([float(i % 3 == 0) for i in range(8)])
     from rlstack.algorithms import place_at_last_token
@@ -102,3 +104,8 @@ def test_otb_tp1_equals_tp2_and_a_tp2_step_trains(tmp_path, tiny_cache):
     )
     assert torch.allclose(tp1["advantages"][:n], want, atol=1e-6)
     assert float(want.abs().max()) > 0.05  # the baseline is not trivially the return
+    # ... and it depends on sum_pi_squared (a wrong one would show in the TP2/PP2 comparison above)
+    args = (place_at_last_token(scores, tp1["mask"][:n]), tp1["mask"][:n], torch.tensor([0] * 4 + [1] * 4))
+    without, _ = optimal_token_baseline(*args, tp1["old_logprob"][:n], torch.zeros_like(sq[:n]))
+    print(f"advantages moved by sum_pi_squared: {float((without - want).abs().max()):.3g}")
+    assert float((without - want).abs().max()) > 1e-3
