@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -172,3 +173,14 @@ def test_the_dapo_recipe_config_validates():
     assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert not a.use_kl_loss and not a.use_kl_in_reward
     assert cfg.reward.overlong_buffer.enable and a.filter_groups.enable
+
+
+def test_plan_counts_the_old_logprob_forward_of_optimal_token_baseline():
+    """On policy (one epoch, one mini-batch) grpo skips the old-log-prob forward; OTB runs it."""
+    from rlstack.planner.build import derive_setting
+
+    dims = SimpleNamespace(tp=1, pp=1, dp=1, ep=1, cp=1, world_size=1)
+    on_policy = ["algorithm.ppo_epochs=1", "algorithm.mini_batch_size=0", "algorithm.use_kl_in_reward=false"]
+    grpo = derive_setting(cfg_of(*on_policy), dims, 2048, fused_attention=True)
+    otb = derive_setting(cfg_of(*on_policy, "algorithm.adv_estimator=optimal_token_baseline"), dims, 2048, True)
+    assert not grpo.needs_old_logprob and otb.needs_old_logprob
