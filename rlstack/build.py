@@ -227,10 +227,10 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
         source = SplitSource(cfg, groups, parts.split, *data, forwards)
     else:
         source = ColocatedSource(cfg, groups, parts.engine, parts.weight_sync, parts.actor, *data, phases)
-        if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
-            from rlstack.step.dynamic import DynamicSamplingSource
+    if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
+        from rlstack.step.dynamic import DynamicSamplingSource  # split: staleness 0 only (preflight)
 
-            source = DynamicSamplingSource(source, cfg)
+        source = DynamicSamplingSource(source, cfg)
     if adv_estimator(cfg) == "remax":  # one greedy generation per prompt: ReMax's baseline
         from rlstack.step.remax import RemaxBaselineSource
 

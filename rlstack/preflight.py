@@ -371,11 +371,11 @@ def _check_dapo(cfg, log) -> None:
         raise UserError(
             f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"
         )
-    if f.enable and cfg.placement.rollout_ranks > 0:
+    if f.enable and cfg.placement.rollout_ranks > 0 and cfg.rollout.staleness > 0:
         raise UserError(
-            "algorithm.filter_groups.enable with placement.rollout_ranks > 0: the split source requests one "
-            "batch a step (staleness 1 a step ahead, scoring streamed), with no place for further generation "
-            "rounds; use colocated placement (placement.rollout_ranks=0) for dynamic sampling"
+            f"algorithm.filter_groups.enable with placement.rollout_ranks > 0 and rollout.staleness="
+            f"{cfg.rollout.staleness}: the next steps' prompts are already drawn and queued on the rollout ranks "
+            "when a step's extra rounds would run; set rollout.staleness=0 (or colocated placement)"
         )
 
 

@@ -22,6 +22,8 @@ from rlstack.step.scoring import Scores
 class SplitSource:
     """`RolloutSource` (rlstack/step/__init__.py) over a `rlstack.placement.RolloutClient`."""
 
+    on_policy = False  # the batch's old log-probs come from the score forwards (DAPO's rounds read this)
+
     def __init__(self, cfg, groups, client, train_set, sampler, tokenizer, scoring, forwards):
         self.cfg, self.groups, self.client = cfg, groups, client
         self.train_set, self.sampler, self.tokenizer = train_set, sampler, tokenizer

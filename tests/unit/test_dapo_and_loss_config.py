@@ -121,8 +121,8 @@ def test_every_new_loss_and_estimator_name_validates():
         ),
         (["algorithm.filter_groups.max_num_gen_batches=-1"], "max_num_gen_batches is -1"),
         (
-            ["algorithm.filter_groups.enable=true", "placement.rollout_ranks=1"],
-            "use colocated placement \\(placement.rollout_ranks=0\\) for dynamic sampling",
+            ["algorithm.filter_groups.enable=true", "placement.rollout_ranks=1", "rollout.staleness=1"],
+            "rollout.staleness=1: the next steps' prompts are already drawn .* set rollout.staleness=0",
         ),
     ],
 )
