@@ -226,15 +226,16 @@ def step_parts(cfg: ExperimentConfig, groups: ParallelGroups, parts: TrainerPart
     forwards = ScoreForwards(parts.actor, parts.ref, parts.critic, mbs, temperature, phases.offload)
     a = cfg.algorithm
     forwards.ref_from_actor = parts.actor.role.lora is not None and (a.use_kl_loss or a.use_kl_in_reward)
+    forwards.sum_pi_squared = adv_estimator(cfg) == "optimal_token_baseline"
     data = (parts.train_set, parts.sampler, parts.tokenizer, scoring)
     if parts.split is not None:
         source = SplitSource(cfg, groups, parts.split, *data, forwards)
     else:
         source = ColocatedSource(cfg, groups, parts.engine, parts.weight_sync, parts.actor, *data, phases)
-        if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
-            from rlstack.step.dynamic import DynamicSamplingSource
+    if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough groups vary
+        from rlstack.step.dynamic import DynamicSamplingSource  # split: staleness 0 only (preflight)
 
-            source = DynamicSamplingSource(source, cfg)
+        source = DynamicSamplingSource(source, cfg)
     if adv_estimator(cfg) == "remax":  # one greedy generation per prompt: ReMax's baseline
         from rlstack.step.remax import RemaxBaselineSource
 

@@ -214,10 +214,12 @@ class AlgorithmConfig:
 
     name: str = "grpo"  # ppo (with critic) | grpo (critic-free)
     # gae | grpo | drgrpo | rloo | reinforce_plus_plus[_baseline] | opo | grpo_passk | gpg | gdpo | remax (a greedy
-    # generation per prompt as baseline; optimal_token_baseline: refused until the trainer provides its
-    # inputs); "": gae (ppo), grpo (grpo)
+    # generation per prompt as baseline) | optimal_token_baseline (per-token baseline; the old-log-prob forward
+    # also computes sum_v p_v^2); "": gae (ppo), grpo (grpo)
     adv_estimator: str = ""
-    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: the reward function's component keys
+    # gdpo: keys of the custom reward function's returned dict ("score": its score), one group-normalised
+    # component each; []: the one training score
+    gdpo_reward_keys: list[str] = field(default_factory=list)
     gdpo_reward_weights: list[float] = field(default_factory=list)  # gdpo: one weight per key; []: all 1
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     # vanilla (PPO clip, dual clip) | gspo (sequence-level ratio and clip) | sapo | gpg | clip_cov | kl_cov |

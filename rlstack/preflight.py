@@ -292,12 +292,9 @@ def check_reward(cfg, data_sources: list) -> None:
 
 # ----------------------------------------------------------------------------- algorithm parameters
 
-# Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks.
-_NEEDS_TRAINER = {
-    "optimal_token_baseline": (
-        "sum_pi_squared, the sum over the vocabulary of each token's squared probability, from the actor's forward"
-    ),
-}
+# Estimators whose inputs rlstack's trainer does not produce yet: what each one lacks. None today
+# (optimal_token_baseline's sum_pi_squared comes from the old-log-prob forward, ScoreForwards.fill).
+_NEEDS_TRAINER: dict[str, str] = {}
 # (parameter, test, what it must be) of each policy loss's own parameters (algorithm.policy_loss_params).
 _LOSS_PARAM_RANGES = {
     "tau_pos": (lambda v: v > 0, "> 0"),
@@ -353,10 +350,12 @@ def _check_estimator_inputs(cfg, estimator: str) -> None:
             f"algorithm.adv_estimator={estimator} needs {_NEEDS_TRAINER[estimator]}, which rlstack's trainer "
             "does not provide yet: choose grpo, rloo, opo or another estimator"
         )
-    if a.gdpo_reward_keys and estimator == "gdpo":
+    extra_keys = [k for k in a.gdpo_reward_keys if k != "score"]
+    if extra_keys and estimator == "gdpo" and not cfg.data.reward_fn_file:
         raise UserError(
-            "algorithm.gdpo_reward_keys: the trainer does not pass the reward function's per-key scores to "
-            "the advantages yet; leave it [] (gdpo then normalises the one score, as verl without keys)"
+            f"algorithm.gdpo_reward_keys={list(a.gdpo_reward_keys)} names keys of a custom reward function's "
+            "returned dict, and the built-in rules return only 'score': set data.reward_fn_file to a function "
+            f"returning {{'score': ..., {', '.join(repr(k) + ': ...' for k in extra_keys)}}}"
         )
     if a.gdpo_reward_weights and len(a.gdpo_reward_weights) != len(a.gdpo_reward_keys):
         raise UserError(
@@ -380,11 +379,11 @@ def _check_dapo(cfg, log) -> None:
         raise UserError(
             f"algorithm.filter_groups.max_num_gen_batches is {f.max_num_gen_batches}: use >= 0 (0: no limit)"
         )
-    if f.enable and cfg.placement.rollout_ranks > 0:
+    if f.enable and cfg.placement.rollout_ranks > 0 and cfg.rollout.staleness > 0:
         raise UserError(
-            "algorithm.filter_groups.enable with placement.rollout_ranks > 0: the split source requests one "
-            "batch a step (staleness 1 a step ahead, scoring streamed), with no place for further generation "
-            "rounds; use colocated placement (placement.rollout_ranks=0) for dynamic sampling"
+            f"algorithm.filter_groups.enable with placement.rollout_ranks > 0 and rollout.staleness="
+            f"{cfg.rollout.staleness}: the next steps' prompts are already drawn and queued on the rollout ranks "
+            "when a step's extra rounds would run; set rollout.staleness=0 (or colocated placement)"
         )
 
 

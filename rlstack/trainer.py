@@ -28,7 +28,7 @@ import time
 
 from megatron_bridge.parallel import ParallelGroups
 from rlstack import collectives
-from rlstack.algorithms import compute_advantages, place_at_last_token
+from rlstack.algorithms import compute_advantages, place_at_last_token, rollout_is_weights
 from rlstack.algorithms.kl import apply_kl_penalty
 from rlstack.build import TrainerParts, build_parts, step_parts
 from rlstack.config import ExperimentConfig, adv_estimator
@@ -91,6 +91,11 @@ class Trainer:
         self.phases.start()
         t_step = time.perf_counter()
         batch = self.source.next_batch(self.step)
+        if self.cfg.algorithm.gdpo_reward_keys and adv_estimator(self.cfg) == "gdpo":  # the keys' values, per row
+            from rlstack.step.scoring import reward_components
+
+            keys, r = self.cfg.algorithm.gdpo_reward_keys, batch.rollout
+            r.reward_components = reward_components(batch.scores.results, keys, r.rows, r.scores.device)
         t0 = time.perf_counter()
         metrics = self._forwards_and_advantages(batch.rollout)
         metrics.update(self._update(batch.rollout, forward_only=dry_run))
@@ -189,6 +194,16 @@ class Trainer:
             inputs["values"] = rollout.old_values[:n]
         if estimator == "remax":  # the greedy responses' rewards (rlstack/step/remax.py)
             inputs["reward_baselines"] = rollout.reward_baselines[:n]
+        if estimator == "gdpo" and rollout.reward_components is not None:  # algorithm.gdpo_reward_keys
+            inputs.update(
+                reward_components=rollout.reward_components[:, :n], reward_weights=a.gdpo_reward_weights or None
+            )
+        if estimator == "optimal_token_baseline":  # ScoreForwards.fill's old-log-prob forward gave both
+            inputs.update(old_logprob=rollout.old_logprob[:n], sum_pi_squared=rollout.sum_pi_squared[:n])
+            if a.rollout_is != "none":  # verl scales W_t by the IS weight squared
+                inputs["is_weights"] = rollout_is_weights(
+                    rollout.old_logprob[:n], rollout.rollout_logprob[:n], mask, a.rollout_is, a.rollout_is_cap
+                )[0]
         adv, returns = compute_advantages(
             estimator,
             mask=mask,

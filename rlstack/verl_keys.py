@@ -233,6 +233,9 @@ IGNORED_PREFIXES: dict[str, str] = {
     ROLLOUT + "dtype": "set by model.dtype",
     ROLLOUT + "val_kwargs.": "rlstack validates greedily (temperature 0, one sample)",
     ACTOR + "shuffle": "mini-batches are taken in order",
+    ACTOR + "calculate_sum_pi_squared": (
+        "rlstack's old-log-prob forward computes sum_pi_squared whenever algorithm.adv_estimator=optimal_token_baseline"
+    ),
     ACTOR + "ulysses_sequence_parallel_size": "no sequence parallelism in rlstack",
     ACTOR + "optim.total_training_steps": "taken from trainer.total_steps",
     "actor_rollout_ref.hybrid_engine": "rlstack is always colocated (hybrid)",
@@ -292,9 +295,8 @@ ESTIMATORS = {
     "optimal_token_baseline": "optimal_token_baseline",
 }
 # Estimators rlstack registers but whose inputs its trainer does not produce yet (preflight refuses them).
-ESTIMATORS_NOT_RUNNABLE = {
-    "optimal_token_baseline": "needs sum_pi_squared from the actor's forward, which rlstack does not compute yet",
-}
+# None today: optimal_token_baseline's sum_pi_squared comes from the old-log-prob forward.
+ESTIMATORS_NOT_RUNNABLE: dict[str, str] = {}
 FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "reward": "seq_reward"}
 TRACKERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "file": "jsonl"}
 ENGINES = {"vllm": "vllm", "hf": "hf"}

@@ -152,7 +152,9 @@ def derive_setting(cfg, dims, max_position_embeddings: int, fused_attention: boo
         lean_norm=device == "cpu" and param_bytes == 4,
         has_critic=a.name == "ppo",
         has_reference=a.use_kl_loss or a.use_kl_in_reward,
-        needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
+        # optimal_token_baseline runs the old-log-prob forward on policy too (its sum_pi_squared)
+        needs_old_logprob=not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward)
+        or a.adv_estimator == "optimal_token_baseline",
     )
 
 

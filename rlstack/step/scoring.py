@@ -90,6 +90,33 @@ class Scoring:
         return merge_extras_sums(parts)
 
 
+def reward_components(results: list, keys: list, rows: int, device=None):
+    """gdpo: [K, rows] float32, row i the values of `keys` in results[i] (a ScoreResult: "score" is
+    its score, any other key one of the reward function's extra dict keys; a timed-out call 0);
+    filler rows past len(results) get 0. A key missing from a result is the user's error
+    (algorithm.gdpo_reward_keys): one line naming the key and the keys the function returned."""
+    import torch
+
+    from rlstack.errors import UserError
+
+    out = torch.zeros(len(keys), rows, dtype=torch.float32)
+    for i, result in enumerate(results):
+        for k, key in enumerate(keys):
+            if result.timed_out:  # scored 0 past data.reward_timeout_s: every component 0
+                continue
+            value = result.score if key == "score" else result.extras.get(key)
+            if getattr(value, "shape", None) == () and hasattr(value, "item"):
+                value = value.item()  # numpy / torch scalars
+            if not isinstance(value, (int, float)):  # bool counts (an `acc` of True is 1.0, as verl)
+                raise UserError(
+                    f"algorithm.gdpo_reward_keys names {key!r}, but the reward function returned "
+                    f"{'no ' + repr(key) if value is None else repr(key) + '=' + repr(value)} for a sample "
+                    f"(its keys: {sorted(['score', *map(str, result.extras)])}): return a number under every key listed"
+                )
+            out[k, i] = float(value)
+    return out.to(device) if device is not None else out
+
+
 @dataclass
 class ScoreForwards:
     """The scoring phase's forward passes over a batch (offload brings the reference in for its own)."""
@@ -101,12 +128,22 @@ class ScoreForwards:
     temperature: float
     offload: Any  # rlstack.workers.offload.Offloader
     ref_from_actor: bool = False  # LoRA: the reference is the actor with its adapters off (no ref role)
+    sum_pi_squared: bool = False  # optimal_token_baseline: the old-log-prob forward also gives sum_v p_v^2
 
     def fill(self, rollout: Rollout) -> None:
         """Old log-probs (off policy), reference log-probs, values: each unless already filled."""
         from rlstack.workers.actor import compute_logprobs
 
         mbs, temperature = self.micro_batch_size, self.temperature
+        if self.sum_pi_squared and rollout.sum_pi_squared is None:
+            # One forward gives both (verl's old-log-prob pass does the same, on policy too: the
+            # update's own forward comes after the advantages it needs). On policy the update still
+            # takes its own detached log-probs as the old ones.
+            old, rollout.sum_pi_squared = compute_logprobs(
+                self.actor.role, rollout, mbs, temperature, with_sum_pi_squared=True
+            )
+            if rollout.old_logprob is None:
+                rollout.old_logprob = old
         if not rollout.on_policy and rollout.old_logprob is None:
             rollout.old_logprob = compute_logprobs(self.actor.role, rollout, mbs, temperature)
         if self.ref is not None and rollout.ref_logprob is None:

@@ -22,6 +22,8 @@ from rlstack.step.scoring import Scores
 class SplitSource:
     """`RolloutSource` (rlstack/step/__init__.py) over a `rlstack.placement.RolloutClient`."""
 
+    on_policy = False  # the batch's old log-probs come from the score forwards (DAPO's rounds read this)
+
     def __init__(self, cfg, groups, client, train_set, sampler, tokenizer, scoring, forwards):
         self.cfg, self.groups, self.client = cfg, groups, client
         self.train_set, self.sampler, self.tokenizer = train_set, sampler, tokenizer
@@ -188,7 +190,7 @@ class SplitSource:
             ]
             if mine:
                 scores = self.scoring.score(prompts, mine)
-                results += scores.results
+                results += zip(mine, scores.results)
                 penalties += scores.penalties
                 part = self._build_rollout(prompts, mine, scores.values)
                 self.forwards.fill(part)
@@ -203,7 +205,8 @@ class SplitSource:
         rollout = self._build_rollout(prompts, gens, values)
         fill_from_parts(rollout, gens, parts)
         batch = dataclasses.replace(meta, gens=sorted(every, key=lambda x: x.prompt_index))
-        scores = Scores(values, results, penalties=penalties)  # results in arrival order (reward_extra/* sums them)
+        result_of = {id(x): res for x, res in results}  # in the rollout's row order (gdpo reads them per row)
+        scores = Scores(values, [result_of[id(x)] for x in gens], penalties=penalties)
         return batch, sync, waited, (prompts, gens, scores, rollout, busy + time.perf_counter() - t0)
 
 
@@ -228,8 +231,8 @@ def fill_from_parts(rollout, gens: list, parts: list) -> None:
     A part's tensors are [b, S_part] with S_part <= S: columns past S_part are padding (zero).
     """
     row_of = {id(x): r for r, x in enumerate(gens)}
-    for name in ("old_logprob", "ref_logprob", "old_values"):
-        if not parts or getattr(parts[0][2], name) is None:
+    for name in ("old_logprob", "ref_logprob", "old_values", "sum_pi_squared"):
+        if not parts or getattr(parts[0][2], name, None) is None:
             continue
         like = getattr(parts[0][2], name)
         full = torch.zeros(rollout.tokens.shape, dtype=like.dtype, device=like.device)  # [B', S]

@@ -19,10 +19,16 @@ from rlstack.workers.megatron_role import MegatronRole, UpdateResult
 
 
 def token_logprobs(
-    role: MegatronRole, mb: dict, logits: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0
+    role: MegatronRole,
+    mb: dict,
+    logits: torch.Tensor,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    with_sum_pi_squared: bool = False,
 ):
     """logits [b, S, V/tp] of a micro-batch (with `role.fused_output`: the LM head's input [b, S, h])
-    -> token-aligned logprob [b, S] (+ entropy [b, S]).
+    -> token-aligned logprob [b, S] (+ entropy [b, S]) (+ sum_pi_squared [b, S]: sum_v p_v^2 of the
+    distribution token t was drawn from, for optimal_token_baseline).
 
     Log-probs are of the distribution the rollout sampled from (logits / temperature), as in verl,
     so the importance ratio compares like with like. When the micro-batch carries `resp_mask`, only
@@ -51,12 +57,13 @@ def token_logprobs(
         tp_size=g.dims.tp,
         with_entropy=with_entropy,
         temperature=temperature,
+        with_sum_pi_squared=with_sum_pi_squared,
     )
-    out = out if with_entropy else (out,)
+    out = out if isinstance(out, tuple) else (out,)
     if rows is not None:
         out = tuple(_scatter_rows(x, rows, lead) for x in out)
     out = tuple(align_to_tokens(x) for x in out)
-    return out if with_entropy else out[0]
+    return out if len(out) > 1 else out[0]
 
 
 def read_positions(resp_mask: torch.Tensor) -> torch.Tensor:
@@ -75,21 +82,31 @@ def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tens
 
 
 def compute_logprobs(
-    role: MegatronRole, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0
-) -> torch.Tensor:
-    """Forward-only log-probs [B, S] of `rollout`'s tokens, on every pipeline stage."""
+    role: MegatronRole,
+    rollout: Rollout,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    with_sum_pi_squared: bool = False,
+):
+    """Forward-only log-probs [B, S] of `rollout`'s tokens, on every pipeline stage; with
+    `with_sum_pi_squared`, (log-probs, sum_pi_squared [B, S]) from the same forward."""
+    keys = ("logprob", "sum_pi_squared") if with_sum_pi_squared else ("logprob",)
 
     def loss_fn(mb, logits):
-        return torch.zeros((), device=logits.device), {
-            "logprob": token_logprobs(role, mb, logits, temperature=temperature)
-        }
+        out = token_logprobs(role, mb, logits, temperature=temperature, with_sum_pi_squared=with_sum_pi_squared)
+        return torch.zeros((), device=logits.device), dict(zip(keys, out if with_sum_pi_squared else (out,)))
 
     mbs = role.micro_batches(
         rollout.tensors("tokens", "position_ids", "resp_mask"), micro_batch_size, rollout.needed_lengths()
     )
     stats = role.run(mbs.batches, loss_fn, forward_only=True)
-    out = mbs.rows(stats, "logprob") if role.groups.is_last_stage else None
-    return role.broadcast_from_last_stage(out, rollout.tokens.shape, torch.float32)
+    outs = tuple(
+        role.broadcast_from_last_stage(
+            mbs.rows(stats, key) if role.groups.is_last_stage else None, rollout.tokens.shape, torch.float32
+        )
+        for key in keys
+    )
+    return outs if with_sum_pi_squared else outs[0]
 
 
 # What the policy loss reads of a mini-batch (the critic's fields stay out of its micro-batches).

@@ -74,6 +74,8 @@ class Rollout:
     advantages: Optional[torch.Tensor] = None  # [B', S]
     returns: Optional[torch.Tensor] = None  # [B', S]
     reward_baselines: Optional[torch.Tensor] = None  # [B'] remax: the prompt's greedy reward (rlstack/step/remax.py)
+    sum_pi_squared: Optional[torch.Tensor] = None  # [B', S] optimal_token_baseline: sum_v p_v^2 (old-log-prob forward)
+    reward_components: Optional[torch.Tensor] = None  # [K, B'] gdpo: algorithm.gdpo_reward_keys' values (0 on fillers)
 
     _ROW_FIELDS = (
         "tokens",
@@ -87,6 +89,7 @@ class Rollout:
         "old_values",
         "advantages",
         "returns",
+        "sum_pi_squared",
     )
 
     @classmethod

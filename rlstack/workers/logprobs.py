@@ -11,7 +11,11 @@ the rows in chunks holding two fp32 [chunk, V/tp] temporaries, saves only the lo
 recomputes the softmax in backward. docs/benchmarks.md ("where the memory goes") has the figures.
 
 TP > 1: the row max, sum of exp, the target's logit and sum p x s are all-reduced over the TP
-group in forward. Backward needs no communication: as with megatron's
+group in forward.
+
+`with_sum_pi_squared` (optimal_token_baseline): sum_v p_v^2 per row as well, from the exp(s) chunks
+the softmax already holds (sum exp(s)^2 / (sum exp(s))^2, both sums all-reduced over TP with the
+others): no extra [tokens, V/tp] tensor and no extra collective. Forward-only: no gradient. Backward needs no communication: as with megatron's
 `reduce_from_tensor_model_parallel_region`, the gradient of an all-reduced sum is the identity on
 each rank, so each rank's logits slice gets its own rows' softmax gradient from its own upstream
 gradients.
@@ -36,16 +40,18 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     chunk_elems: int = CHUNK_ELEMS,
+    with_sum_pi_squared: bool = False,
 ):
     """logits [B, S, V/tp] (this rank's vocab slice, any float dtype), targets [B, S] -> logprob [B, S]
-    (+ entropy [B, S]), both fp32.
+    (+ entropy [B, S]) (+ sum_pi_squared [B, S]), all fp32.
 
     logprob[b, t] = log p(targets[b, t]) under softmax(logits[b, t] / temperature); entropy of the
-    same distribution. Gradients flow to `logits` (their dtype).
+    same distribution; sum_pi_squared = sum over the vocabulary of p^2 (no gradient). Gradients flow
+    to `logits` (their dtype).
     """
     shard = logits.shape[-1]
     start, real, chunk = _shard_layout(shard, tp_rank, vocab_size, chunk_elems, temperature)
-    logprob, entropy = _VocabParallelLogprob.apply(
+    logprob, entropy, sum_sq = _VocabParallelLogprob.apply(
         logits.reshape(-1, shard),  # a view: megatron's output is contiguous
         targets.reshape(-1),
         start,
@@ -54,8 +60,9 @@ def vocab_parallel_logprobs(
         chunk,
         with_entropy,
         _Reducer(tp_group, tp_size),
+        with_sum_pi_squared,
     )
-    return _shaped(logprob, entropy, logits.shape[:-1], with_entropy)
+    return _shaped(logprob, entropy, sum_sq, logits.shape[:-1], with_entropy, with_sum_pi_squared)
 
 
 def _shard_layout(shard: int, tp_rank: int, vocab_size: int, chunk_elems: int, temperature: float):
@@ -66,11 +73,12 @@ def _shard_layout(shard: int, tp_rank: int, vocab_size: int, chunk_elems: int, t
     return start, real, max(1, chunk_elems // max(real, 1))
 
 
-def _shaped(logprob: torch.Tensor, entropy: torch.Tensor, lead, with_entropy: bool):
-    """[N] results back to the input's leading shape: logprob, or (logprob, entropy)."""
-    if not with_entropy:
-        return logprob.view(lead)
-    return logprob.view(lead), entropy.view(lead)
+def _shaped(logprob, entropy, sum_sq, lead, with_entropy: bool, with_sum_sq: bool = False):
+    """[N] results back to the input's leading shape: logprob, or the tuple (logprob, entropy if
+    asked for, sum_pi_squared if asked for)."""
+    out = (logprob,) + ((entropy,) if with_entropy else ()) + ((sum_sq,) if with_sum_sq else ())
+    out = tuple(x.view(lead) for x in out)
+    return out if len(out) > 1 else out[0]
 
 
 class _Reducer:
@@ -97,15 +105,16 @@ class _VocabParallelLogprob(torch.autograd.Function):
     """x = logits / T (this rank's columns); logprob = x_t - logsumexp(x); entropy = logZ - sum p x s."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, real, temperature, chunk, with_entropy, reduce):
+    def forward(ctx, logits, targets, start, real, temperature, chunk, with_entropy, reduce, with_sum_sq=False):
         # logits [N, V/tp], targets [N]
         n = logits.shape[0]
         local_t = targets - start
         in_shard = (local_t >= 0) & (local_t < real)  # [N]
         row_max = _row_max(logits, real, temperature)  # [N] fp32; softmax is shift-invariant
         row_max = reduce.max_(row_max)
-        # sums[0] = sum exp(s), sums[1] = s at the target (this shard's share), sums[2] = sum exp(s) x s
-        sums = torch.zeros(3, n, dtype=torch.float32, device=logits.device)
+        # sums[0] = sum exp(s), sums[1] = s at the target (this shard's share), sums[2] = sum exp(s) x s,
+        # sums[3] = sum exp(s)^2 (with_sum_sq)
+        sums = torch.zeros(4 if with_sum_sq else 3, n, dtype=torch.float32, device=logits.device)
         picked = logits.gather(-1, local_t.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
         sums[1] = torch.where(in_shard, picked.float() / temperature - row_max, 0.0)
         for lo in range(0, n, chunk):
@@ -113,6 +122,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
             s = _shifted(logits, lo, hi, real, temperature, row_max)  # [c, real] fp32
             exp = s.exp()  # [c, real]
             sums[0, lo:hi] = exp.sum(-1)
+            if with_sum_sq:  # before entropy's in-place product; a row reduction, no [c, real] temporary
+                sums[3, lo:hi] = torch.linalg.vector_norm(exp, dim=-1).square()
             if with_entropy:
                 sums[2, lo:hi] = exp.mul_(s).sum(-1)
             del s, exp
@@ -122,12 +133,10 @@ class _VocabParallelLogprob(torch.autograd.Function):
         entropy = log_z - sums[2] / sums[0] if with_entropy else None
         ctx.save_for_backward(logits, local_t, in_shard, row_max, log_z, entropy)
         ctx.meta = (real, temperature, chunk)
-        if entropy is None:
-            return logprob, torch.zeros_like(logprob)
-        return logprob, entropy
+        return _outputs(ctx, logprob, entropy, sums[3] / sums[0].square() if with_sum_sq else None)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, _grad_sum_sq):
         # d logprob / d x_j = 1[j = t] - p_j;  d H / d x_j = -p_j (log p_j + H)
         logits, local_t, in_shard, row_max, log_z, entropy = ctx.saved_tensors
         real, temperature, chunk = ctx.meta
@@ -149,7 +158,15 @@ class _VocabParallelLogprob(torch.autograd.Function):
             coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
             grad[lo:hi, :real] = coef.div_(temperature)
             del log_p, p, coef
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
+
+
+def _outputs(ctx, logprob: torch.Tensor, entropy, sum_sq):
+    """The autograd functions' three outputs: zeros for what was not asked for; sum_pi_squared
+    (a baseline's input, read under no_grad) takes no gradient."""
+    sum_sq = torch.zeros_like(logprob) if sum_sq is None else sum_sq
+    ctx.mark_non_differentiable(sum_sq)
+    return logprob, (entropy if entropy is not None else torch.zeros_like(logprob)), sum_sq
 
 
 def _row_max(logits: torch.Tensor, real: int, temperature: float) -> torch.Tensor:
@@ -203,10 +220,11 @@ def fused_output_logprobs(
     temperature: float = 1.0,
     chunk_elems: int = FUSED_CHUNK_ELEMS,
     main_grad: Optional[torch.Tensor] = None,
+    with_sum_pi_squared: bool = False,
 ):
     """hidden [B, S, h] (the LM head's input, already in the TP region), weight [V/tp, h] (this rank's
-    vocab rows), targets [B, S] -> logprob [B, S] (+ entropy [B, S]), fp32: the same numbers as
-    `vocab_parallel_logprobs(hidden @ weight.T, ...)`. Gradients flow to `hidden` and `weight`.
+    vocab rows), targets [B, S] -> logprob [B, S] (+ entropy [B, S]) (+ sum_pi_squared [B, S]), fp32:
+    the same numbers as `vocab_parallel_logprobs(hidden @ weight.T, ...)`. Gradients flow to `hidden` and `weight`.
 
     `main_grad` (fp32, weight's shape: megatron DDP's grad buffer of the weight): backward adds the
     weight's gradient into it chunk by chunk and gives autograd none, instead of a new [V/tp, h] fp32
@@ -214,7 +232,7 @@ def fused_output_logprobs(
     activation still is).
     """
     start, real, chunk = _shard_layout(weight.shape[0], tp_rank, vocab_size, chunk_elems, temperature)
-    logprob, entropy = _FusedOutputLogprob.apply(
+    logprob, entropy, sum_sq = _FusedOutputLogprob.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         targets.reshape(-1),
@@ -225,8 +243,9 @@ def fused_output_logprobs(
         with_entropy,
         _Reducer(tp_group, tp_size),
         main_grad,
+        with_sum_pi_squared,
     )
-    return _shaped(logprob, entropy, hidden.shape[:-1], with_entropy)
+    return _shaped(logprob, entropy, sum_sq, hidden.shape[:-1], with_entropy, with_sum_pi_squared)
 
 
 class _FusedOutputLogprob(torch.autograd.Function):
@@ -235,14 +254,28 @@ class _FusedOutputLogprob(torch.autograd.Function):
     all-reduce at TP > 1, as `_VocabParallelLogprob`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, real, temperature, chunk, with_entropy, reduce, main_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        start,
+        real,
+        temperature,
+        chunk,
+        with_entropy,
+        reduce,
+        main_grad,
+        with_sum_sq=False,
+    ):
         n = hidden.shape[0]
         w = weight[:real]  # [real, h] view: the padded vocab rows are not tokens
         local_t = targets - start
         in_shard = (local_t >= 0) & (local_t < real)
         local_t = local_t.clamp(0, max(real - 1, 0))
-        # stats[0] = row max m, [1] = sum exp(x - m), [2] = x_target - m (0 off shard), [3] = sum exp(x - m)(x - m)
-        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)
+        # stats[0] = row max m, [1] = sum exp(x - m), [2] = x_target - m (0 off shard), [3] = sum exp(x - m)(x - m),
+        # [4] = sum exp(x - m)^2 (with_sum_sq)
+        stats = torch.zeros(5 if with_sum_sq else 4, n, dtype=torch.float32, device=hidden.device)
         stats[0] = float("-inf")
         buf, ebuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
         for lo in range(0, n if real else 0, chunk):
@@ -254,30 +287,32 @@ class _FusedOutputLogprob(torch.autograd.Function):
             stats[0, lo:hi] = m
             stats[1, lo:hi] = e.sum(-1)
             stats[2, lo:hi] = torch.where(in_shard[lo:hi], x.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1), 0.0)
+            if with_sum_sq:  # before entropy's in-place product on e
+                stats[4, lo:hi] = torch.linalg.vector_norm(e, dim=-1).square()
             if with_entropy:
                 stats[3, lo:hi] = e.mul_(x).sum(-1)
         del buf, ebuf
         row_max = reduce.max_(stats[0].clone())  # M [N]
         scale = torch.where(torch.isfinite(stats[0]), (stats[0] - row_max).exp(), 0.0)  # e^(m - M)
         shift = torch.where(torch.isfinite(stats[0]), stats[0] - row_max, 0.0)  # m - M
-        sums = torch.stack(
-            [
-                stats[1] * scale,  # sum exp(x - M)
-                torch.where(in_shard, stats[2] + shift, 0.0),  # x_target - M
-                (stats[3] + shift * stats[1]) * scale,  # sum exp(x - M)(x - M)
-            ]
-        )
-        sums = reduce.sum_(sums)
+        rows = [
+            stats[1] * scale,  # sum exp(x - M)
+            torch.where(in_shard, stats[2] + shift, 0.0),  # x_target - M
+            (stats[3] + shift * stats[1]) * scale,  # sum exp(x - M)(x - M)
+        ]
+        if with_sum_sq:
+            rows.append(stats[4] * scale.square())  # sum exp(x - M)^2
+        sums = reduce.sum_(torch.stack(rows))
         log_z = sums[0].log()  # log sum exp(x - M)
         logprob = sums[1] - log_z
         entropy = log_z - sums[2] / sums[0] if with_entropy else None
         ctx.save_for_backward(hidden, weight, local_t, in_shard, row_max, log_z, entropy)
         ctx.meta = (real, temperature, chunk)
         ctx.main_grad = main_grad
-        return logprob, (entropy if entropy is not None else torch.zeros_like(logprob))
+        return _outputs(ctx, logprob, entropy, sums[3] / sums[0].square() if with_sum_sq else None)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, _grad_sum_sq):
         # d logprob / d x_j = 1[j = t] - p_j;  d H / d x_j = -p_j (log p_j + H);  x = hidden @ w.T / T
         hidden, weight, local_t, in_shard, row_max, log_z, entropy = ctx.saved_tensors
         real, temperature, chunk = ctx.meta
@@ -315,7 +350,7 @@ class _FusedOutputLogprob(torch.autograd.Function):
                 grad_weight[:real] += (coef_w.t() @ h_w[lo:hi]).float()
             del log_p, p, coef, coef_w
         grad_w = None if ctx.main_grad is not None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_w, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
 # exp(x) of x below this is 0 next to a row's largest term (1 for x - max, >= 1/V for log p); torch's

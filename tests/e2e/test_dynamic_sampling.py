@@ -6,6 +6,8 @@ Overlong shaping is on too (one-token responses with a one-token buffer: each lo
 apart as reward/overlong_penalty). A run SIGKILLed during step 4 and resumed from step 3 logs
 steps 4-5 with exactly the metrics of the uninterrupted run: the extra rounds advanced the
 checkpointed prompt sampler, and each round's sampling seed follows from (step, round).
+Both placements: colocated, and split with staleness 0 (rank 0 trains, rank 1 rolls out; each extra
+round is one more request to the rollout rank).
 """
 
 import pytest
@@ -23,13 +25,18 @@ DAPO = [
     "reward.overlong_buffer.len=1",
     "reward.overlong_buffer.penalty_factor=0.5",
 ]
-VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds")
+VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "sync/peak")
 pytestmark = pytest.mark.slow
 
 
-def test_constant_groups_are_refilled_and_a_killed_run_resumes_exactly(tmp_path):
+SPLIT = ["placement.rollout_ranks=1", "rollout.staleness=0", "logging.progress=false"]
+
+
+@pytest.mark.parametrize("layout", [[], SPLIT], ids=["colocated", "split"])
+def test_constant_groups_are_refilled_and_a_killed_run_resumes_exactly(tmp_path, layout):
+    dapo = [*DAPO, *layout]
     reference = str(tmp_path / "reference")
-    torchrun_train(reference, [*DAPO, "checkpoint.save_every=0", "checkpoint.resume=never"], timeout=300)
+    torchrun_train(reference, [*dapo, "checkpoint.save_every=0", "checkpoint.resume=never"], timeout=300)
     expected = metrics_by_step(reference, VOLATILE)
     assert sorted(expected) == [1, 2, 3, 4, 5]
     for step, m in expected.items():
@@ -42,8 +49,8 @@ def test_constant_groups_are_refilled_and_a_killed_run_resumes_exactly(tmp_path)
     assert max(m["dapo/gen_rounds"] for m in expected.values()) > 1  # refilled by further rounds
 
     run = str(tmp_path / "run")
-    kill_during_step_4(run, [*DAPO, "checkpoint.save_every=1"])
-    proc = torchrun_train(run, [*DAPO, "checkpoint.save_every=1", "checkpoint.resume=auto"], timeout=300)
+    kill_during_step_4(run, [*dapo, "checkpoint.save_every=1"])
+    proc = torchrun_train(run, [*dapo, "checkpoint.save_every=1", "checkpoint.resume=auto"], timeout=300)
     assert "at step 3" in proc.stdout + proc.stderr
     resumed = metrics_by_step(run, VOLATILE)
     assert sorted(resumed) == [1, 2, 3, 4, 5]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,8 +70,13 @@ def test_every_new_loss_and_estimator_name_validates():
     for name in ("sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"):
         check_algorithm_params(cfg_of(f"algorithm.policy_loss={name}"))
     check_algorithm_params(cfg_of("algorithm.policy_loss=dro", "algorithm.policy_loss_params.dro_beta=0.1"))
-    for name in ("opo", "grpo_passk", "gpg", "gdpo"):
+    for name in ("opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline"):
         check_algorithm_params(cfg_of(f"algorithm.adv_estimator={name}"))
+    # gdpo keys: "score" alone needs no custom function; other keys need one (the file is checked elsewhere)
+    check_algorithm_params(cfg_of("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[score]"))
+    check_algorithm_params(
+        cfg_of("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "data.reward_fn_file=r.py")
+    )
     with pytest.raises(ConfigError, match="choose one of"):
         cfg_of("algorithm.policy_loss=ppo2")
 
@@ -95,10 +101,9 @@ def test_every_new_loss_and_estimator_name_validates():
             ["algorithm.policy_loss=kl_cov", "algorithm.policy_loss_params.ppo_kl_coef=-1"],
             "ppo_kl_coef is -1.0 .* >= 0",
         ),
-        (["algorithm.adv_estimator=optimal_token_baseline"], "needs sum_pi_squared"),
         (
             ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"],
-            "the trainer does not pass the reward function's per-key scores",
+            "built-in rules return only 'score': set data.reward_fn_file",
         ),
         (["algorithm.gdpo_reward_weights=[1.0]"], "1 weights for 0 gdpo_reward_keys"),
         (["reward.overlong_buffer.enable=true"], "reward.overlong_buffer.len is 0: it must lie in \\[1, "),
@@ -116,8 +121,8 @@ def test_every_new_loss_and_estimator_name_validates():
         ),
         (["algorithm.filter_groups.max_num_gen_batches=-1"], "max_num_gen_batches is -1"),
         (
-            ["algorithm.filter_groups.enable=true", "placement.rollout_ranks=1"],
-            "use colocated placement \\(placement.rollout_ranks=0\\) for dynamic sampling",
+            ["algorithm.filter_groups.enable=true", "placement.rollout_ranks=1", "rollout.staleness=1"],
+            "rollout.staleness=1: the next steps' prompts are already drawn .* set rollout.staleness=0",
         ),
     ],
 )
@@ -168,3 +173,14 @@ def test_the_dapo_recipe_config_validates():
     assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert not a.use_kl_loss and not a.use_kl_in_reward
     assert cfg.reward.overlong_buffer.enable and a.filter_groups.enable
+
+
+def test_plan_counts_the_old_logprob_forward_of_optimal_token_baseline():
+    """On policy (one epoch, one mini-batch) grpo skips the old-log-prob forward; OTB runs it."""
+    from rlstack.planner.build import derive_setting
+
+    dims = SimpleNamespace(tp=1, pp=1, dp=1, ep=1, cp=1, world_size=1)
+    on_policy = ["algorithm.ppo_epochs=1", "algorithm.mini_batch_size=0", "algorithm.use_kl_in_reward=false"]
+    grpo = derive_setting(cfg_of(*on_policy), dims, 2048, fused_attention=True)
+    otb = derive_setting(cfg_of(*on_policy, "algorithm.adv_estimator=optimal_token_baseline"), dims, 2048, True)
+    assert not grpo.needs_old_logprob and otb.needs_old_logprob

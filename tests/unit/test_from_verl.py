@@ -150,7 +150,6 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
             "--out",
             str(out),
             "--strict",
-            "algorithm.adv_estimator=optimal_token_baseline",
             "actor_rollout_ref.actor.fsdp_config.param_offload=True",
             "trainer.logger=[console,swanlab]",
             "data.truncation=left",
@@ -161,7 +160,6 @@ def test_unsupported_and_ignored_keys_are_listed(capsys, tmp_path):
     text = out.read_text()
     err = capsys.readouterr().err
     for item in (
-        "algorithm.adv_estimator=optimal_token_baseline",
         "trainer.logger=swanlab",
         "data.truncation=left",
     ):
@@ -349,19 +347,32 @@ def test_policy_losses_and_their_parameters_translate(tmp_path):
     assert load_config(str(out), ["data.synthetic=arith"]).algorithm.policy_loss == "cispo"
 
 
-def test_unknown_loss_modes_and_unrunnable_estimators_are_named():
+def test_unknown_loss_modes_are_named_and_otb_gdpo_keys_translate():
     t = from_verl.translate(
         {
             "actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode",
             "algorithm.adv_estimator": "optimal_token_baseline",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared": True,
             "trainer.total_training_steps": 3,
         }
     )
     assert "algorithm.policy_loss" not in t.values
     reasons = dict(t.unsupported)
     assert "rlstack's losses" in reasons["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"]
-    assert "sum_pi_squared" in reasons["algorithm.adv_estimator=optimal_token_baseline"]
-    assert t.values["algorithm.adv_estimator"] == "optimal_token_baseline"  # kept: preflight refuses it by name
+    assert not any("optimal_token_baseline" in k or "sum_pi_squared" in k for k in reasons)  # runnable now
+    assert t.values["algorithm.adv_estimator"] == "optimal_token_baseline"
+    gdpo = from_verl.translate(
+        {
+            "algorithm.adv_estimator": "gdpo",
+            "algorithm.gdpo_reward_keys": ["format", "acc"],
+            "algorithm.gdpo_reward_weights": [1.0, 0.5],
+            "actor_rollout_ref.rollout.n": 4,
+            "trainer.total_training_steps": 3,
+        }
+    )
+    assert gdpo.values["algorithm.gdpo_reward_keys"] == ["format", "acc"]
+    assert gdpo.values["algorithm.gdpo_reward_weights"] == [1.0, 0.5]
+    assert not gdpo.unsupported
     metric = from_verl.translate({"algorithm.filter_groups.metric": "reward", "trainer.total_training_steps": 3})
     assert metric.values["algorithm.filter_groups.metric"] == "seq_reward"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 CORE = "verl/trainer/ppo/core_algos.py"
 TORCH_F = "verl/utils/torch_functional.py"
 DAPO = "verl/workers/reward_manager/dapo.py"
+MEGATRON_TP = "verl/utils/megatron/tensor_parallel.py"
+MEGATRON_TP_FUNCTIONS = ("vocab_parallel_sum_pi_squared",)
 CORE_FUNCTIONS = (
     "agg_loss",
     "compute_policy_loss_sapo",
@@ -34,7 +36,7 @@ CORE_FUNCTIONS = (
     "compute_gdpo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
 )
-TORCH_F_FUNCTIONS = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
+TORCH_F_FUNCTIONS = ("masked_sum", "masked_mean", "masked_var", "masked_whiten", "calculate_sum_pi_squared_from_logits")
 
 HEADER = '''# Copyright 2024 Bytedance Ltd. and/or its affiliates
 # Licensed under the Apache License, Version 2.0 (http://www.apache.org/licenses/LICENSE-2.0).
@@ -51,6 +53,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 class _Config(dict):
@@ -72,6 +75,10 @@ class AlgoConfig(_Config):
 
 
 DictConfig = _Config
+
+# megatron's parallel_state for vocab_parallel_sum_pi_squared: the TP group is the default group
+# (None: the whole gloo world of a 2-rank test)
+mpu = SimpleNamespace(get_tensor_model_parallel_group=lambda: None)
 
 '''
 
@@ -104,7 +111,8 @@ def dapo_overlong(path: Path) -> str:
 def main(root: str) -> None:
     root = Path(root)
     sources = "\n".join(
-        f"  {rel} sha256 {hashlib.sha256((root / rel).read_bytes()).hexdigest()}" for rel in (CORE, TORCH_F, DAPO)
+        f"  {rel} sha256 {hashlib.sha256((root / rel).read_bytes()).hexdigest()}"
+        for rel in (CORE, TORCH_F, DAPO, MEGATRON_TP)
     )
     parts = [HEADER.format(sources=sources)]
     parts += [f + "\n\n" for f in functions(root / TORCH_F, TORCH_F_FUNCTIONS).values()]
@@ -113,7 +121,8 @@ def main(root: str) -> None:
     )
     core = functions(root / CORE, CORE_FUNCTIONS)
     parts += [core[name] + "\n\n" for name in CORE_FUNCTIONS]
-    parts.append(dapo_overlong(root / DAPO))
+    parts.append(dapo_overlong(root / DAPO) + "\n\n")
+    parts += [f + "\n\n" for f in functions(root / MEGATRON_TP, MEGATRON_TP_FUNCTIONS).values()]
     out = Path(__file__).with_name("reference.py")
     out.write_text("".join(parts).rstrip("\n") + "\n")
     print(f"wrote {out}")

@@ -6,6 +6,7 @@ Function bodies are verbatim from the verl==0.9.1 wheel (decorators dropped):
   verl/trainer/ppo/core_algos.py sha256 a54b6d812db4441e8b0989ae69d2c46b0a0a7b584296f73d8316f264462c37cb
   verl/utils/torch_functional.py sha256 9855e101c19b64c90d1f07bf47ce3e628751afe979b40d2b863ae6d16aa4cee1
   verl/workers/reward_manager/dapo.py sha256 4e3542078b8653b3578a62d8fc84dd7dafc5ad781898a2f58ec166cc47966943
+  verl/utils/megatron/tensor_parallel.py sha256 d7c5cb1632b774bde6c783eaf33c56bba4c01422eb41ef6d80593b75643cb41a
 The header (this docstring, the imports and the small stand-ins below) is rlstack's.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 class _Config(dict):
@@ -36,6 +38,10 @@ class AlgoConfig(_Config):
 
 
 DictConfig = _Config
+
+# megatron's parallel_state for vocab_parallel_sum_pi_squared: the TP group is the default group
+# (None: the whole gloo world of a 2-rank test)
+mpu = SimpleNamespace(get_tensor_model_parallel_group=lambda: None)
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """Compute sum of tensor values where mask is True.
@@ -111,6 +117,23 @@ def masked_whiten(values, mask, shift_mean=True):
     if not shift_mean:
         whitened += mean
     return whitened
+
+
+def calculate_sum_pi_squared_from_logits(logits: torch.Tensor):
+    """
+    Compute exact sum of squared probabilities from logits.
+    Formula: Σπ² = exp(logsumexp(2*logits) - 2*logsumexp(logits))
+
+    Used for optimal baseline variance reduction as described in
+    "What Matters for Model Merging at Scale?" (arXiv:2410.03617)
+
+    Args:
+        logits: Logits tensor (..., vocab_size).
+
+    Returns:
+        Sum of squared probabilities tensor (...).
+    """
+    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
 
 
 verl_F = SimpleNamespace(masked_sum=masked_sum, masked_mean=masked_mean, masked_whiten=masked_whiten)
@@ -1341,3 +1364,31 @@ def dapo_overlong_reward(self, valid_response_length, reward=0.0):
     overlong_reward = min(-exceed_len / overlong_buffer_len * overlong_penalty_factor, 0)
     reward += overlong_reward
     return reward, overlong_reward
+
+
+def vocab_parallel_sum_pi_squared(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
+    """Compute Σπ² (sum of squared probabilities) when logits are sharded across tp ranks.
+
+    Used by ``optimal_token_baseline`` advantage estimators as the path-variance proxy:
+    ``w_t = 1 - 2*π_t + Σπ²``.
+
+    Args:
+        vocab_parallel_logits: (..., vocab_size // tp_size)
+
+    Returns: (...,)
+
+    Implementation is non-destructive (does not mutate ``vocab_parallel_logits``) so it
+    can be safely called before ``vocab_parallel_entropy`` / ``vocab_parallel_log_probs``
+    which would otherwise consume the same tensor.
+    """
+    tp_group = mpu.get_tensor_model_parallel_group()
+
+    logits_max = vocab_parallel_logits.max(dim=-1, keepdim=True).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = vocab_parallel_logits - logits_max
+    exp_shifted = shifted.exp()
+    sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
+    dist.all_reduce(sum_exp, group=tp_group)
+    sum_exp_squared = exp_shifted.pow(2).sum(dim=-1, keepdim=True)
+    dist.all_reduce(sum_exp_squared, group=tp_group)
+    return (sum_exp_squared / sum_exp.pow(2)).squeeze(dim=-1)
