@@ -103,15 +103,22 @@ def test_dry_run_changes_no_parameter(tmp_path):
     assert len(rows) == 2 and "actor/loss" in rows[0] and "critic/loss" in rows[0]
 
 
-def test_golden_metrics_reproduced(tmp_path):
+@pytest.fixture(scope="module")
+def golden_run(tmp_path_factory):
+    """4 deterministic GRPO steps with the default host allocator: (console text, numeric rows)."""
+    out = str(tmp_path_factory.mktemp("golden"))
+    proc = torchrun_train(out, ["trainer.total_steps=4", "trainer.deterministic=true"])
+    rows = [{k: r[k] for k in ("step",) + NUMERIC_KEYS if k in r} for r in train_steps(read_metrics(out))]
+    return proc.stdout + proc.stderr, rows
+
+
+def test_golden_metrics_reproduced(golden_run):
     """Fixed seed, deterministic mode: per-step reward and losses equal the recorded golden file.
 
     Regenerate after an intended change of the maths with
     `RLSTACK_UPDATE_GOLDEN=1 pytest tests/e2e/test_tiny_training.py -k golden`.
     """
-    out = str(tmp_path / "golden")
-    torchrun_train(out, ["trainer.total_steps=4", "trainer.deterministic=true"])
-    rows = [{k: r[k] for k in ("step",) + NUMERIC_KEYS if k in r} for r in train_steps(read_metrics(out))]
+    _, rows = golden_run
     if os.environ.get("RLSTACK_UPDATE_GOLDEN"):
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
         with open(GOLDEN, "w") as f:
@@ -161,19 +168,16 @@ def test_trackers_plot_and_memory_warning(tmp_path):
 
 
 @pytest.mark.skipif(find_tcmalloc() is None, reason="libtcmalloc is not installed here")
-def test_tcmalloc_ranks_compute_what_glibc_ranks_do(tmp_path):
-    """parallel.host_allocator: the default preloads tcmalloc on CPU; the numbers are glibc's, bit for bit."""
-    runs = {}
-    for allocator in ("auto", "glibc"):
-        out = str(tmp_path / allocator)
-        proc = torchrun_train(
-            out, ["trainer.total_steps=2", "trainer.deterministic=true", f"parallel.host_allocator={allocator}"]
-        )
-        runs[allocator] = train_steps(read_metrics(out))
-        expected = "tcmalloc" if allocator == "auto" else "glibc"
-        assert f"host allocator: {expected}" in proc.stdout + proc.stderr
-    for a, b in zip(runs["auto"], runs["glibc"]):
-        assert {k: a[k] for k in NUMERIC_KEYS if k in a} == {k: b[k] for k in NUMERIC_KEYS if k in b}
+def test_tcmalloc_ranks_compute_what_glibc_ranks_do(tmp_path, golden_run):
+    """parallel.host_allocator: the default preloads tcmalloc on CPU; the numbers are glibc's, bit for bit
+    (the default's run is the golden run's)."""
+    text, auto = golden_run
+    assert "host allocator: tcmalloc" in text
+    out = str(tmp_path / "glibc")
+    proc = torchrun_train(out, ["trainer.total_steps=4", "trainer.deterministic=true", "parallel.host_allocator=glibc"])
+    assert "host allocator: glibc" in proc.stdout + proc.stderr
+    glibc = [{k: r[k] for k in ("step",) + NUMERIC_KEYS if k in r} for r in train_steps(read_metrics(out))]
+    assert len(glibc) == len(auto) == 4 and glibc == auto
 
 
 def test_recompute_changes_no_number_of_a_ppo_run(tmp_path):
