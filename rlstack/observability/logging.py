@@ -27,7 +27,7 @@ DATE_FORMAT = "%H:%M:%S"
 FILE_ONLY = "rlstack_file_only"
 
 # (metric key, label, format spec): the per-step line's fixed order; missing keys are skipped.
-STEP_LINE_FIELDS = (  # (metric, label, format, unit): the line stays under 100 columns
+STEP_LINE_FIELDS = (  # (metric, label, format, unit): the line stays within STEP_LINE_WIDTH
     ("reward/mean", "reward", ".3f", ""),
     ("actor/kl", "kl", ".3g", ""),
     ("actor/loss", "loss", ".3g", ""),
@@ -155,15 +155,29 @@ def print_rank0(msg: str) -> None:
         _write_console(str(msg), sys.stdout)
 
 
+# The step line's width: under torchrun's `[default0]:` prefix (11) and the time (9) a console line
+# stays within 120 columns; fields that do not fit are left out, in this order (metrics.jsonl has them).
+STEP_LINE_WIDTH = 100
+STEP_LINE_DROP_ORDER = ("len", "step_s", "rss", "val_acc", "gpu")
+
+
 def format_step_line(step: int, metrics: dict, total_steps: int = 0, eta_s: Optional[float] = None) -> str:
-    """One fixed-format line: `step 3/40 | reward 0.412 | kl 0.0012 | ... | rss_gib 3.2 | eta 0:01:05`."""
-    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
-    for key, label, spec, unit in STEP_LINE_FIELDS:
-        if key in metrics and metrics[key] is not None:
-            parts.append(f"{label} {float(metrics[key]):{spec}}{unit}")
-    if eta_s is not None:
-        parts.append(f"eta {format_duration(eta_s)}")
-    return " | ".join(parts)
+    """One fixed-format line: `step 3/40 | reward 0.412 | kl 0.0012 | ... | rss 3.2G | eta 0:01:05`,
+    at most STEP_LINE_WIDTH columns."""
+    head = f"step {step}/{total_steps}" if total_steps else f"step {step}"
+    fields = [
+        (label, f"{label} {float(metrics[key]):{spec}}{unit}")
+        for key, label, spec, unit in STEP_LINE_FIELDS
+        if key in metrics and metrics[key] is not None
+    ]
+    tail = [f"eta {format_duration(eta_s)}"] if eta_s is not None else []
+    line = " | ".join([head, *(text for _, text in fields), *tail])
+    for label in STEP_LINE_DROP_ORDER:
+        if len(line) <= STEP_LINE_WIDTH:
+            break
+        fields = [(name, text) for name, text in fields if name != label]
+        line = " | ".join([head, *(text for _, text in fields), *tail])
+    return line
 
 
 def format_duration(seconds: float) -> str:

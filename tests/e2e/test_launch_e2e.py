@@ -1,5 +1,5 @@
 """launch/ppo.sh with the real trainer: two "nodes" on localhost equal one node of two processes (whose
-console is checked lean: tests/e2e/test_lean_logs.py);
+console is checked lean: tests/e2e/lean_logs.py);
 a killed rank ends the job with a non-zero exit naming the rank; a user error is one line."""
 
 import os
@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from tests.dist_utils import free_port
+from tests.e2e.lean_logs import check_lean
 from tests.e2e.runs import NUMERIC_KEYS, ROOT, read_metrics, train_steps
-from tests.e2e.test_lean_logs import check_lean
 
 pytestmark = pytest.mark.slow
 PPO_SH = os.path.join(ROOT, "launch", "ppo.sh")

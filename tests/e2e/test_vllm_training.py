@@ -7,6 +7,7 @@
 2. PPO killed with SIGKILL during step 4 and resumed from checkpoint 3 logs steps 4-6 with the
    metrics of an uninterrupted run (vLLM samples from a per-step seed, as the hf engine does; the
    checkpoint also restores the torch RNG). Measured: bit-identical; compared at 1e-6 relative.
+   The uninterrupted run goes through launch/ppo.sh and its console is checked lean (issue 34).
 """
 
 import os
@@ -14,7 +15,9 @@ import os
 import pytest
 
 from tests.dist_utils import vllm_available
+from tests.e2e.lean_logs import check_lean
 from tests.e2e.runs import kill_during_step_4, read_metrics, torchrun_train, train_steps
+from tests.fault.checks import finish, launch
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,7 +69,10 @@ def _differences(a: dict, b: dict, rtol: float = 1e-6) -> list[str]:
 def test_vllm_ppo_killed_run_resumes_exactly(tmp_path):
     ppo = [*VLLM, "algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3", "trainer.total_steps=6"]
     reference = str(tmp_path / "reference")
-    torchrun_train(reference, [*ppo, "checkpoint.save_every=0", "checkpoint.resume=never"], timeout=300)
+    proc = launch(reference, [*ppo, "checkpoint.save_every=0", "checkpoint.resume=never"])  # through ppo.sh
+    text = finish(proc)
+    assert proc.returncode == 0, text[-3000:]
+    check_lean(text, max_lines=17, steps=6)  # issue 34: a vLLM run's console is lean too
     expected = _metrics(reference)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert all(expected[s]["critic/loss"] > 0 and expected[s]["sync/bytes"] > 0 for s in expected)

@@ -63,8 +63,30 @@ def test_step_line_has_fixed_order_and_skips_missing_keys():
         "step 3 | reward 0.412 | kl 0.0012 | loss -0.013 | vf_loss 0.21 | step_s 4.1 | rss 3.2G"
     )
     assert format_step_line(3, metrics, total_steps=40, eta_s=3725).startswith("step 3/40 | reward 0.412")
-    assert format_step_line(3, metrics, total_steps=40, eta_s=3725).endswith(" | rss 3.2G | eta 1:02:05")
+    assert format_step_line(3, metrics, total_steps=40, eta_s=3725).endswith(" | vf_loss 0.21 | rss 3.2G | eta 1:02:05")
     assert format_step_line(7, {"actor/kl": 0.5}) == "step 7 | kl 0.5"
+
+
+def test_a_full_step_line_fits_the_console_under_torchruns_prefix():
+    """PPO with validation on a GPU at step 200/200: the line stays within 100 columns (120 with the
+    `[default0]:` prefix and the time), leaving out the length, the step time, the RSS and the validation accuracy first (metrics.jsonl has
+    them all; seen: a PPO line of 123 columns)."""
+    metrics = {
+        "reward/mean": 0.004,
+        "actor/kl": 0.0514,
+        "actor/loss": -4.79e-05,
+        "critic/loss": 31.4,
+        "val/accuracy": 0.125,
+        "response/length_mean": 100.0,
+        "timing/step_s": 10.8,
+        "mem/rss_gib": 10.0,
+        "mem/gpu_peak_gib": 70.1,
+    }
+    line = format_step_line(200, metrics, total_steps=200, eta_s=36003)
+    assert len(line) <= 100, (len(line), line)
+    assert line == "step 200/200 | reward 0.004 | kl 0.0514 | loss -4.79e-05 | vf_loss 31.4 | gpu 70.1G | eta 10:00:03"
+    short = format_step_line(2, {"reward/mean": 0.5, "response/length_mean": 3.0}, total_steps=6, eta_s=3)
+    assert short == "step 2/6 | reward 0.500 | len 3.0 | eta 0:00:03"  # nothing left out when it fits
 
 
 def test_rank0_logs_to_console_and_file_other_ranks_to_file_only(tmp_path, capsys):
