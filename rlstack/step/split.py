@@ -60,7 +60,7 @@ class SplitSource:
         token_age = check_token_versions(batch, step, cfg.rollout.staleness)
         partial_metrics = {}
         if cfg.rollout.partial:  # tokens too old out of the loss, before scoring builds the loss masks
-            batch, partial_metrics = _partial_mask(batch, step, cfg.rollout.partial_mask_older_than)
+            batch, partial_metrics = _partial_mask(batch, cfg.rollout.partial_mask_older_than)
         timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
         if streamed is not None:
             prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
@@ -259,12 +259,12 @@ def check_token_versions(batch, step: int, staleness: int) -> tuple[float, int]:
     return sum(ages) / len(ages), worst
 
 
-def _partial_mask(batch, step: int, older_than: int):
-    """rollout.partial: the batch with tokens older than `older_than` versions masked out of the loss,
+def _partial_mask(batch, older_than: int):
+    """rollout.partial: the batch with tokens of interrupted samples masked out of the loss by age,
     and the metrics of its in-flight history (rlstack.rollout.partial)."""
     from rlstack.rollout import partial
 
-    gens, masked = partial.mask_older(batch.gens, step, older_than)
+    gens, masked = partial.mask_older(batch.gens, older_than)
     metrics = {
         "rollout/partial_masked_frac": masked,
         "rollout/partial_interrupted_frac": partial.interrupted_share(gens),

@@ -98,12 +98,14 @@ def _gen(versions, mask=None):
 
 
 def test_tokens_older_than_the_setting_are_masked_and_counted():
-    gens = [_gen([1, 1, 2, 3]), _gen([3, 3]), _gen([2, 2], mask=[0, 1])]
-    out, frac = mask_older(gens, step=3, older_than=1)  # ages 2, 2, 1, 0 | 0, 0 | 1, 1
-    assert [g.response_mask for g in out] == [[0, 0, 1, 1], None, [0, 1]]  # an existing mask is ANDed
-    assert frac == 2 / 8
-    assert mask_older(gens, step=3, older_than=-1) == (gens, 0.0)
-    assert interrupted_share(gens) == 1 / 3
+    gens = [_gen([1, 1, 2, 3]), _gen([3, 3]), _gen([2, 3], mask=[0, 1]), _gen([0, 0, 0])]
+    out, frac = mask_older(gens, older_than=1)  # behind the sample's last token: 2, 2, 1, 0 | 0, 0 | 1, 0 | 0 x 3
+    assert [g.response_mask for g in out] == [[0, 0, 1, 1], None, [0, 1], None]
+    assert frac == 2 / 11
+    out, frac = mask_older(gens, older_than=0)  # slime's: only the last version's tokens train
+    assert [g.response_mask for g in out] == [[0, 0, 0, 1], None, [0, 1], None] and frac == 4 / 11
+    assert mask_older(gens, older_than=-1) == (gens, 0.0)
+    assert interrupted_share(gens) == 2 / 4
 
 
 def test_the_default_chunk_ends_a_batch_within_the_versions_it_sees():
