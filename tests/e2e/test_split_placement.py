@@ -2,8 +2,9 @@
 
 1. One step off-policy (`rollout.staleness=1`, token-level truncated IS) learns the tiny task, and
    every batch after the first is one step stale.
-2. Synchronous split (`staleness=0`): every batch comes from the current weights (staleness 0) and
-   the engine's log-probs agree with the actor's as colocated (`actor/rollout_diff_max`).
+2. Synchronous split (`staleness=0`): every batch comes from the current weights (staleness 0), the
+   engine's log-probs agree with the actor's as colocated (`actor/rollout_diff_max`), and the
+   learning metrics are bit-identical to a colocated run on one rank.
 3. Kill and resume with `staleness=1`: the batch generated ahead is saved with the checkpoint, so
    the resumed run logs exactly the uninterrupted run's metrics; at `staleness=2` also with partial
    rollouts (`rollout.partial`: the batches in flight saved half generated).
@@ -13,7 +14,7 @@ import os
 
 import pytest
 
-from tests.e2e.runs import kill_during_step_4, metrics_by_step, read_metrics, torchrun_train, train_steps
+from tests.e2e.runs import NUMERIC_KEYS, kill_during_step_4, metrics_by_step, read_metrics, torchrun_train, train_steps
 
 SPLIT = ["placement.rollout_ranks=1", "logging.progress=false"]
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "sync/peak")
@@ -40,14 +41,22 @@ def test_one_step_off_policy_learns(tmp_path):
 
 
 def test_synchronous_split_is_on_current_weights(tmp_path):
+    """rollout.staleness=0 is the synchronous split path (no queue): every token from the current
+    weights, and the learning metrics bit-identical to a colocated run on one rank (the same training
+    layout: one data-parallel rank; the same engine seed and calls, the weights synced exactly)."""
     out = str(tmp_path / "run")
     torchrun_train(out, SPLIT + ["rollout.staleness=0", "trainer.total_steps=4"], timeout=240)
     rows = train_steps(read_metrics(out))
     assert len(rows) == 4
     for r in rows:
-        assert r["rollout/staleness"] == 0.0
+        assert r["rollout/staleness"] == 0.0 and r["rollout/token_staleness_max"] == 0.0
         assert r["actor/rollout_diff_max"] < 1e-4, r["actor/rollout_diff_max"]  # fp32: as colocated
         assert r["sync/bytes"] > 0
+    colocated = str(tmp_path / "colocated")
+    torchrun_train(colocated, ["logging.progress=false", "trainer.total_steps=4"], nproc=1, timeout=240)
+    keys = NUMERIC_KEYS[:-1] + ("actor/grad_norm",)  # no critic (GRPO)
+    for r, c in zip(rows, train_steps(read_metrics(colocated)), strict=True):
+        assert {k: r[k] for k in keys} == {k: c[k] for k in keys}, r["step"]
 
 
 def test_killed_split_run_resumes_exactly(tmp_path):
