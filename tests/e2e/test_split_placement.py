@@ -56,7 +56,7 @@ def test_synchronous_split_is_on_current_weights(tmp_path):
     torchrun_train(colocated, ["logging.progress=false", "trainer.total_steps=4"], nproc=1, timeout=240)
     keys = NUMERIC_KEYS[:-1] + ("actor/grad_norm",)  # no critic (GRPO)
     for r, c in zip(rows, train_steps(read_metrics(colocated)), strict=True):
-        assert {k: r[k] for k in keys} == {k: c[k] for k in keys}, r["step"]
+        assert {k: r.get(k) for k in keys} == {k: c.get(k) for k in keys}, r["step"]  # no actor/kl at step 1
 
 
 def test_killed_split_run_resumes_exactly(tmp_path):
