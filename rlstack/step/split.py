@@ -177,9 +177,10 @@ class SplitSource:
         from rlstack.placement import pending_state
 
         state = {"pending": pending_state(self.pending), "received": [pending_state(x) for x in self._received]}
-        if self.cfg.rollout.partial:  # the batches still in flight: their prompts and each replica's samples
-            state["ahead"] = [list(x) for x in self._ahead]
-            state["inflight"] = self._inflight if self._ahead else None
+        # rollout.partial: the batches still in flight, their prompts and each replica's samples (a save
+        # at another step, a preemption's, has no snapshot: the resumed run requests new batches)
+        if self.cfg.rollout.partial and self._ahead and self._inflight is not None:
+            state["ahead"], state["inflight"] = [list(x) for x in self._ahead], self._inflight
         return state
 
     def load_state_dict(self, state: dict) -> None:
