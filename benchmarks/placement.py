@@ -1,4 +1,5 @@
-"""Placement comparison: colocated vs split (placement.rollout_ranks=1, rollout.staleness 0 and 1).
+"""Placement comparison: colocated vs split (placement.rollout_ranks=1, rollout.staleness 0, 1 and 2,
+and 2 with partial rollouts).
 
 Runs the real trainer (torchrun, `--nproc` ranks) once per placement on the same config and reads
 each run's metrics.jsonl. Per placement and step (the first step, which warms up, is dropped):
@@ -13,6 +14,13 @@ step time, and each stage's busy and idle seconds:
 
     python benchmarks/placement.py --config yaml_configs/smollm2_arith_cpu.yaml --out benchmarks/results \
         trainer.total_steps=4 data.train_batch_size=4 rollout.max_new_tokens=32
+
+Smallest run (proves the script works; ~5 min on 2 loaded cores):
+
+    python benchmarks/placement.py --config yaml_configs/tiny_cpu.yaml --out /tmp/placement \
+        trainer.total_steps=4 rollout.max_new_tokens=4
+
+`--only NAME` (repeatable) runs a subset of the placements.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ PLACEMENTS = {
     "colocated": [],
     "split K=1 staleness 0": ["placement.rollout_ranks=1", "rollout.staleness=0"],
     "split K=1 staleness 1": ["placement.rollout_ranks=1", "rollout.staleness=1", "algorithm.rollout_is=token"],
+    "split K=1 staleness 2": ["placement.rollout_ranks=1", "rollout.staleness=2", "algorithm.rollout_is=token"],
+    "split K=1 staleness 2 partial": [
+        "placement.rollout_ranks=1",
+        "rollout.staleness=2",
+        "algorithm.rollout_is=token",
+        "rollout.partial=true",
+    ],
 }
 # Keys the benchmark itself sets: a config's own verify_sync (colocated only) and validation stay out.
 FIXED = ["rollout.verify_sync=0", "trainer.val_before_train=false", "trainer.val_after_train=false"]
@@ -45,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--work", default="outputs/bench_placement")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--only", action="append", choices=sorted(PLACEMENTS), help="run only these placements")
     return p.parse_args(argv)
 
 
@@ -80,6 +96,7 @@ def stage_times(rows: list[dict], split: bool) -> dict:
         "sync_s": mean("timing/sync_s"),
         "sync_bytes": mean("sync/bytes"),
         "staleness": mean("rollout/staleness"),
+        "token_staleness": mean("rollout/token_staleness_mean"),
         "reward_mean": mean("reward/mean"),
     }
 
@@ -96,7 +113,7 @@ def cpu_model() -> str:
 
 
 def markdown(results: dict, opts, machine: str) -> str:
-    head = "| placement | step s | rollout busy | rollout idle | trainer busy | trainer idle | update s | sync s |"
+    head = "| placement | step s | rollout busy | rollout idle | trainer busy | trainer idle | update s | sync s | token age |"
     lines = [
         f"# Placement comparison ({os.path.basename(opts.config)}, {opts.nproc} ranks)",
         "",
@@ -104,13 +121,14 @@ def markdown(results: dict, opts, machine: str) -> str:
         f"{' '.join(opts.overrides) or '-'}. Mean seconds per step, first step dropped.",
         "",
         head,
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         t = r["stages"]
         lines.append(
             f"| {name} | {t['step_s']:.2f} | {t['rollout_busy_s']:.2f} | {t['rollout_idle_s']:.2f} | "
-            f"{t['trainer_busy_s']:.2f} | {t['trainer_idle_s']:.2f} | {t['update_s']:.2f} | {t['sync_s']:.3f} |"
+            f"{t['trainer_busy_s']:.2f} | {t['trainer_idle_s']:.2f} | {t['update_s']:.2f} | {t['sync_s']:.3f} | "
+            f"{t['token_staleness']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -120,6 +138,8 @@ def main(argv=None) -> int:
     machine = cpu_model()
     results = {}
     for name, extra in PLACEMENTS.items():
+        if opts.only and name not in opts.only:
+            continue
         rows, wall = run_one(name, extra, opts)
         results[name] = {"stages": stage_times(rows, split=bool(extra)), "wall_s": wall}
         print(name, json.dumps(results[name]["stages"]), flush=True)

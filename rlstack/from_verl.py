@@ -588,7 +588,8 @@ def _async_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], 
     to the world). staleness_threshold s and trigger_parameter_sync_step n: verl's rollouter produces
     up to (1 + s) x n updates' worth of samples per weight sync, so the oldest sample trained is up to
     ceil((1 + s) x n) - 1 updates old; rlstack syncs every step, and rollout.staleness bounds exactly
-    that age: rollout.staleness = ceil((1 + s) x n) - 1. partial_rollout: not built in rlstack.
+    that age: rollout.staleness = ceil((1 + s) x n) - 1. partial_rollout -> rollout.partial (rlstack
+    interrupts the queued batches at each weight push, not at verl's trigger; hf engine only).
     """
     import math
 
@@ -606,12 +607,9 @@ def _async_keys(merged: dict, given: dict, t: Translation, src: Callable[[str], 
         names = " and ".join(src(k) for k in (threshold, trigger) if k in given)
         t.set("rollout.staleness", max(0, math.ceil((1 + s) * n) - 1), f"{names}: ceil((1 + s) x n) - 1")
     key = ASYNC + "partial_rollout"
-    if key in given:
+    if key in given:  # rlstack interrupts at weight pushes, with the hf engine (docs/placement.md)
         handled.add(key)
-        if given[key]:
-            t.unsupported.append((f"{key}={_flow(given[key])}", "partial rollouts are not built in rlstack yet"))
-        else:
-            t.ignored.append((f"{key}={_flow(given[key])}", "rlstack does not resume interrupted samples either"))
+        t.set("rollout.partial", bool(given[key]), src(key) + " (interrupted at each weight push; hf engine only)")
     return handled
 
 

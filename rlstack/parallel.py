@@ -51,6 +51,13 @@ def check_layout(cfg, world_size: int, model_config_file=None) -> ParallelDims:
 def check_placement(cfg, world_size: int) -> None:
     """placement.rollout_ranks=K and rollout.staleness against the world: one line naming the fix."""
     k, r = cfg.placement.rollout_ranks, cfg.rollout
+    if r.partial and (k == 0 or r.engine != "hf"):
+        raise UserError(
+            f"rollout.partial=true with placement.rollout_ranks={k} rollout.engine={r.engine}: partial rollouts "
+            "interrupt the batches queued on rollout-only ranks, with the hf engine only (vLLM's in-flight "
+            "requests are not interrupted yet); set placement.rollout_ranks=K > 0 and rollout.engine=hf, "
+            "or rollout.partial=false"
+        )
     if k == 0:
         if r.staleness:
             raise UserError(

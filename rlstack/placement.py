@@ -38,6 +38,7 @@ log = logging.getLogger("rlstack")
 @dataclass
 class RolloutRequest:
     kind: str  # "generate" | "receive" (hand over the oldest queued batch) | "stop"
+    # rollout.partial also: "weights" (a sync only) | "snapshot" (hand over the queue's state) | "restore"
     prompts: list = field(default_factory=list)  # token ids of each prompt
     seed_step: int = 0  # sampling seed of this step (stages.sampling_params)
     version: int = 0  # the trainer step whose weights the batch is generated with
@@ -46,6 +47,8 @@ class RolloutRequest:
     stream: bool = False  # hand each generation micro-batch over as it finishes (`stream_rounds` all-gathers)
     max_new_tokens: int = 0  # > 0: this cap instead of rollout.max_new_tokens (the verify_sync probe)
     queue: bool = False  # keep the batch on the rollout ranks until a "receive" request (rollout.staleness)
+    # "restore" (rollout.partial, on resume): each replica's queued in-flight batches, as "snapshot" gave them
+    inflight: list = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +99,12 @@ class RolloutClient:
         collectives.broadcast_object(RolloutRequest("receive", sync=False), 0, self.placement.full, self.device)
         batch, _ = self.receive()
         return batch, time.perf_counter() - t0
+
+    def receive_parts(self) -> tuple[list, float]:
+        """What each rollout replica handed over for the last request (replica order), and the seconds waited."""
+        t0 = time.perf_counter()
+        parts = collectives.all_gather_objects(None, self.placement.full, self.placement.world_size)
+        return [p for p in parts if p is not None], time.perf_counter() - t0
 
     def receive(self) -> tuple[RolloutBatch, float]:
         """The batch of the last request and the seconds this rank waited for it."""
@@ -205,20 +214,40 @@ def split_layout(cfg, placement) -> tuple[int, int, int]:
 def serve(side: RolloutSide) -> int:
     """A rollout rank's loop: request -> sync -> generate -> hand over, until "stop". Returns requests served."""
     from rlstack import stages
+    from rlstack.rollout.partial import PartialQueue
 
     pl, cfg, served = side.placement, side.cfg, 0
+    reports = side.groups.rank % cfg.rollout.tp == 0  # a replica's first rank reports for it (rollout.partial)
     idle_since = time.perf_counter()
     queued: list = []  # batches generated ahead (RolloutRequest.queue), oldest first: at most rollout.staleness
+    partial = PartialQueue(cfg.rollout, side.groups, side.engine) if cfg.rollout.partial else None
     while True:
         req = collectives.broadcast_object(None, 0, pl.full, side.groups.device)
         if req.kind == "stop":
             return served
-        if req.kind == "receive":
-            collectives.all_gather_objects(queued.pop(0), pl.full, pl.world_size)
+        if req.kind in ("receive", "snapshot"):
+            if partial is None:
+                part = queued.pop(0)
+            else:  # each replica hands over its own share
+                part = partial.finish_oldest() if req.kind == "receive" else partial.state()
+                part = part if reports else None
+            collectives.all_gather_objects(part, pl.full, pl.world_size)
+            continue
+        if req.kind == "restore":
+            partial.restore(req.inflight)
             continue
         if req.sync:
             side.weight_sync.sync()
+            if partial is not None:  # the batches in flight go on under the new weights
+                partial.weights(req.version)
         waited = time.perf_counter() - idle_since
+        if req.kind == "weights":
+            continue
+        if req.queue and partial is not None:
+            partial.request(req.prompts, req.seed_step, req.version, waited)
+            idle_since = time.perf_counter()
+            served += 1
+            continue
         if req.stream:
             _serve_stream(side, req, waited)
             idle_since = time.perf_counter()

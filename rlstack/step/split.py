@@ -32,13 +32,19 @@ class SplitSource:
         self._ahead = []  # prompt indices of the batches queued on the rollout ranks, oldest first (<= k)
         self._received = []  # (indices, RolloutBatch) taken off that queue before a checkpoint, oldest first
         self._waited = 0.0  # seconds this step waited for the rollout ranks so far
+        self._inflight = None  # rollout.partial: the rollout ranks' queue as saved with the last checkpoint
+        self._restore = None  # rollout.partial, resumed: the in-flight batches to hand back to the rollout ranks
 
     def next_batch(self, step: int) -> StepBatch:
         from megatron_bridge.reshard import SyncStats
+        from rlstack.placement import RolloutRequest
 
         cfg, g = self.cfg, self.groups
         t0, self._waited = time.perf_counter(), 0.0
         sync = streamed = None
+        if self._restore is not None:  # rollout.partial: before any weights reach the resumed rollout ranks
+            self.client.request(RolloutRequest("restore", sync=False, inflight=self._restore))
+            self._restore = None
         probed = self._probe(step)  # rollout.verify_sync when due: the probe request carries the sync
         if self.pending is None and self.scoring.reward_model is None:  # score each micro-batch as it arrives
             indices = self.sampler.next_global_batch()
@@ -54,6 +60,9 @@ class SplitSource:
         ahead = self._request_ahead(step, send_weights=probed is None)
         sync = probed or ahead or sync
         token_age = check_token_versions(batch, step, cfg.rollout.staleness)
+        partial_metrics = {}
+        if cfg.rollout.partial:  # tokens too old out of the loss, before scoring builds the loss masks
+            batch, partial_metrics = _partial_mask(batch, cfg.rollout.partial_mask_older_than)
         timings = {"timing/rollout_s": batch.generate_s}  # the rollout ranks' busy time for this batch
         if streamed is not None:
             prompts, gens, scores, rollout, timings["timing/score_s"] = streamed
@@ -72,6 +81,7 @@ class SplitSource:
             "rollout/token_staleness_max": float(token_age[1]),
             "rollout/token_staleness_mean": token_age[0],
             "timing/rollout_wait_weights": batch.wait_weights_s,
+            **partial_metrics,
         }
         # staleness 1, last step: nothing generated ahead, no weights sent
         return StepBatch(prompts, gens, scores, rollout, sync or SyncStats(), batch.tokens, timings, metrics)
@@ -112,9 +122,14 @@ class SplitSource:
             req = RolloutRequest("generate", ids, target, step, sync=send_weights and sync is None, queue=True)
             sync = self.client.request(req) or sync
             self._ahead.append(indices)
+        if cfg.rollout.partial and send_weights and sync is None and self._ahead:
+            # nothing new requested, batches in flight: the new weights still interrupt them
+            sync = self.client.request(RolloutRequest("weights", [], step, step))
         return sync
 
     def after_update(self, step: int) -> dict:
+        if self.cfg.rollout.partial:
+            return self._after_update_partial(step)
         if self._checkpoint_after(step):  # take every queued batch off the rollout ranks: saved with the step
             while self._ahead:
                 batch, waited = self.client.receive_queued()
@@ -128,6 +143,22 @@ class SplitSource:
             self._waited += waited
         else:
             return {}
+        return {"timing/trainer_wait_rollout": self._waited}
+
+    def _after_update_partial(self, step: int) -> dict:
+        """rollout.partial: the oldest queued batch is finished and received; before a checkpoint the
+        rest are not (finishing them early would change their tokens' versions) but copied as they are
+        (`snapshot`) and saved with the step, to be handed back on resume."""
+        from rlstack.placement import RolloutRequest
+
+        if not self._ahead:
+            return {}
+        next_batch, waited = self.client.receive_queued()
+        self.pending, self._waited = (self._ahead.pop(0), next_batch), self._waited + waited
+        self._inflight = None
+        if self._checkpoint_after(step) and self._ahead:
+            self.client.request(RolloutRequest("snapshot", sync=False))
+            self._inflight, _ = self.client.receive_parts()
         return {"timing/trainer_wait_rollout": self._waited}
 
     def generate(self, prompts: list, step: int, greedy: bool):
@@ -147,13 +178,20 @@ class SplitSource:
         that is later killed and in the uninterrupted one, so the two stay identical."""
         from rlstack.placement import pending_state
 
-        return {"pending": pending_state(self.pending), "received": [pending_state(x) for x in self._received]}
+        state = {"pending": pending_state(self.pending), "received": [pending_state(x) for x in self._received]}
+        # rollout.partial: the batches still in flight, their prompts and each replica's samples (a save
+        # at another step, a preemption's, has no snapshot: the resumed run requests new batches)
+        if self.cfg.rollout.partial and self._ahead and self._inflight is not None:
+            state["ahead"], state["inflight"] = [list(x) for x in self._ahead], self._inflight
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from rlstack.placement import pending_from_state
 
         self.pending = pending_from_state(state.get("pending"))
         self._received = [pending_from_state(x) for x in state.get("received", [])]
+        self._ahead = [list(x) for x in state.get("ahead", [])]
+        self._restore = state.get("inflight") if self._ahead else None
 
     def close(self, ok: bool) -> None:
         if ok:  # after an error a training rank may not answer: the launcher stops the rollout ranks
@@ -223,6 +261,19 @@ def check_token_versions(batch, step: int, staleness: int) -> tuple[float, int]:
             f"step {step + 1}: a token {worst} weight versions old reached the loss (rollout.staleness={staleness})"
         )
     return sum(ages) / len(ages), worst
+
+
+def _partial_mask(batch, older_than: int):
+    """rollout.partial: the batch with tokens of interrupted samples masked out of the loss by age,
+    and the metrics of its in-flight history (rlstack.rollout.partial)."""
+    from rlstack.rollout import partial
+
+    gens, masked = partial.mask_older(batch.gens, older_than)
+    metrics = {
+        "rollout/partial_masked_frac": masked,
+        "rollout/partial_interrupted_frac": partial.interrupted_share(gens),
+    }
+    return dataclasses.replace(batch, gens=gens), metrics
 
 
 def fill_from_parts(rollout, gens: list, parts: list) -> None:

@@ -2,17 +2,19 @@
 
 1. One step off-policy (`rollout.staleness=1`, token-level truncated IS) learns the tiny task, and
    every batch after the first is one step stale.
-2. Synchronous split (`staleness=0`): every batch comes from the current weights (staleness 0) and
-   the engine's log-probs agree with the actor's as colocated (`actor/rollout_diff_max`).
+2. Synchronous split (`staleness=0`): every batch comes from the current weights (staleness 0), the
+   engine's log-probs agree with the actor's as colocated (`actor/rollout_diff_max`), and the
+   learning metrics are bit-identical to a colocated run on one rank.
 3. Kill and resume with `staleness=1`: the batch generated ahead is saved with the checkpoint, so
-   the resumed run logs exactly the uninterrupted run's metrics.
+   the resumed run logs exactly the uninterrupted run's metrics; at `staleness=2` also with partial
+   rollouts (`rollout.partial`: the batches in flight saved half generated).
 """
 
 import os
 
 import pytest
 
-from tests.e2e.runs import kill_during_step_4, metrics_by_step, read_metrics, torchrun_train, train_steps
+from tests.e2e.runs import NUMERIC_KEYS, kill_during_step_4, metrics_by_step, read_metrics, torchrun_train, train_steps
 
 SPLIT = ["placement.rollout_ranks=1", "logging.progress=false"]
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "sync/peak")
@@ -39,14 +41,22 @@ def test_one_step_off_policy_learns(tmp_path):
 
 
 def test_synchronous_split_is_on_current_weights(tmp_path):
+    """rollout.staleness=0 is the synchronous split path (no queue): every token from the current
+    weights, and the learning metrics bit-identical to a colocated run on one rank (the same training
+    layout: one data-parallel rank; the same engine seed and calls, the weights synced exactly)."""
     out = str(tmp_path / "run")
     torchrun_train(out, SPLIT + ["rollout.staleness=0", "trainer.total_steps=4"], timeout=240)
     rows = train_steps(read_metrics(out))
     assert len(rows) == 4
     for r in rows:
-        assert r["rollout/staleness"] == 0.0
+        assert r["rollout/staleness"] == 0.0 and r["rollout/token_staleness_max"] == 0.0
         assert r["actor/rollout_diff_max"] < 1e-4, r["actor/rollout_diff_max"]  # fp32: as colocated
         assert r["sync/bytes"] > 0
+    colocated = str(tmp_path / "colocated")
+    torchrun_train(colocated, ["logging.progress=false", "trainer.total_steps=4"], nproc=1, timeout=240)
+    keys = NUMERIC_KEYS[:-1] + ("actor/grad_norm",)  # no critic (GRPO)
+    for r, c in zip(rows, train_steps(read_metrics(colocated)), strict=True):
+        assert {k: r.get(k) for k in keys} == {k: c.get(k) for k in keys}, r["step"]  # no actor/kl at step 1
 
 
 def test_killed_split_run_resumes_exactly(tmp_path):
@@ -85,11 +95,17 @@ def test_staleness_two_bounds_every_tokens_version(tmp_path):
     assert [r["sync/bytes"] > 0 for r in rows] == [True] * 4 + [False] * 2
 
 
-def test_killed_run_at_staleness_two_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_killed_run_at_staleness_two_resumes_exactly(tmp_path, partial):
     """rollout.staleness=2: before each checkpoint the batches still queued on the rollout ranks are
     taken off and saved with the step (generations, log-probs, versions), so a SIGKILL during step 4
-    and a resume from step 3 log steps 4-6 exactly as the uninterrupted run (which saves nothing)."""
+    and a resume from step 3 log steps 4-6 exactly as the uninterrupted run (which saves nothing).
+    With rollout.partial (4-token responses, 2 per weights version) the queued batches are saved in
+    flight, half generated, and handed back to the rollout ranks on resume: each trained batch has
+    tokens of two versions (2 and 1 behind), the older half masked out of the loss."""
     common = SPLIT + ["rollout.staleness=2", "algorithm.rollout_is=token", "trainer.total_steps=6"]
+    if partial:
+        common += ["rollout.partial=true", "rollout.max_new_tokens=4", "rollout.partial_mask_older_than=0"]
     reference = str(tmp_path / "reference")
     torchrun_train(reference, common + ["checkpoint.save_every=0", "checkpoint.resume=never"], timeout=240)
     expected = metrics_by_step(reference, VOLATILE)
@@ -102,3 +118,8 @@ def test_killed_run_at_staleness_two_resumes_exactly(tmp_path):
     for step in (4, 5, 6):
         assert resumed[step] == expected[step], f"step {step} differs from the uninterrupted run"
     assert [resumed[s]["rollout/staleness"] for s in (4, 5)] == [2.0, 2.0]  # saved batches, not regenerated
+    if partial:  # interrupted samples: their first 2 tokens 2 versions behind (masked), the rest 1
+        for step in (3, 4, 5, 6):
+            r = resumed[step]
+            assert r["rollout/token_staleness_max"] == 2.0 and 1.4 < r["rollout/token_staleness_mean"] < 1.6, r
+            assert r["rollout/partial_interrupted_frac"] > 0.9 and 0.4 < r["rollout/partial_masked_frac"] < 0.6, r

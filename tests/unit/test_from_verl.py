@@ -410,7 +410,7 @@ def test_multi_turn_tool_keys_and_the_rollout_dump_translate():
 def test_fully_async_keys_map_to_split_placement_and_staleness():
     """verl's fully-async recipe: the rollout GPUs become placement.rollout_ranks (on top of the
     trainer's), staleness_threshold x trigger_parameter_sync_step bound the sample age as
-    rollout.staleness, and partial_rollout=True is listed as unsupported (not built)."""
+    rollout.staleness, and partial_rollout is rollout.partial."""
     t = from_verl.translate(
         {
             "trainer.n_gpus_per_node": 4,
@@ -423,7 +423,7 @@ def test_fully_async_keys_map_to_split_placement_and_staleness():
     )
     assert t.values["placement.rollout_ranks"] == 2 and t.world_size == 6
     assert t.values["rollout.staleness"] == 2  # ceil(1.5 x 2) - 1
-    assert "async_training.partial_rollout=true" in [k for k, _ in t.unsupported]
+    assert t.values["rollout.partial"] is True and not [k for k, _ in t.unsupported if k.startswith("async")]
     sync = from_verl.translate({"async_training.staleness_threshold": 0, "async_training.partial_rollout": False})
-    assert sync.values["rollout.staleness"] == 0
+    assert sync.values["rollout.staleness"] == 0 and sync.values["rollout.partial"] is False
     assert not [k for k, _ in sync.unsupported if k.startswith("async_training.")]

@@ -28,6 +28,8 @@ def test_colocated_and_a_fitting_split_pass():
         (("placement.rollout_ranks=1", "rollout.tp=2"), 4, "make placement.rollout_ranks a multiple of rollout.tp"),
         (("placement.rollout_ranks=1", "rollout.engine=vllm", "rollout.tp=2"), 3, "a multiple of rollout.tp"),
         (("rollout.staleness=1",), 2, "set placement.rollout_ranks=K > 0"),
+        (("rollout.partial=true",), 2, "set placement.rollout_ranks=K > 0 and rollout.engine=hf"),
+        (("placement.rollout_ranks=1", "rollout.engine=vllm", "rollout.partial=true"), 2, "rollout.partial=false"),
     ],
 )
 def test_layout_errors_name_the_fix(overrides, world, words):
@@ -43,6 +45,7 @@ def test_layout_errors_name_the_fix(overrides, world, words):
         ("rollout.staleness=-1", ">= 0 (0: synchronous"),
         ("algorithm.rollout_is=seq", "'algorithm.rollout_is' is 'seq'"),
         ("algorithm.rollout_is_cap=0", "'algorithm.rollout_is_cap' is 0.0"),
+        ("rollout.partial_mask_older_than=-2", ">= -1 (-1: mask nothing)"),
     ],
 )
 def test_value_ranges(override, words):
