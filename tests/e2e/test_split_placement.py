@@ -95,7 +95,10 @@ def test_staleness_two_bounds_every_tokens_version(tmp_path):
     assert [r["sync/bytes"] > 0 for r in rows] == [True] * 4 + [False] * 2
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+# Suite time: the partial case only (add False here to run whole batches too). Whole batches queued
+# ahead and saved with the step are the staleness-1 kill and resume above; the partial case saves a
+# queue of two batches too.
+@pytest.mark.parametrize("partial", [True], ids=["partial"])
 def test_killed_run_at_staleness_two_resumes_exactly(tmp_path, partial):
     """rollout.staleness=2: before each checkpoint the batches still queued on the rollout ranks are
     taken off and saved with the step (generations, log-probs, versions), so a SIGKILL during step 4
