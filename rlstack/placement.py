@@ -229,7 +229,7 @@ def serve(side: RolloutSide) -> int:
             if partial is None:
                 part = queued.pop(0)
             else:  # each replica hands over its own share
-                part = partial.finish_oldest() if req.kind == "receive" else partial.state()
+                part = RolloutBatch(*partial.finish_oldest()) if req.kind == "receive" else partial.state()
                 part = part if reports else None
             collectives.all_gather_objects(part, pl.full, pl.world_size)
             continue

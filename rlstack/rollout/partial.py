@@ -179,15 +179,13 @@ class PartialQueue:
         self._timed(b, start, self.engine, b, params, chunk_tokens(self.cfg), held)
         self.batches.append(b)
 
-    def finish_oldest(self):
-        """The oldest batch completed under the weights held (what is left of every sample), as this
-        replica's part of a RolloutBatch."""
-        from rlstack.placement import RolloutBatch
-
+    def finish_oldest(self) -> tuple:
+        """The oldest batch completed under the weights held (what is left of every sample), as the
+        fields of this replica's part of a RolloutBatch: (gens, version, generate_s, wait_weights_s, tokens)."""
         b = self.batches.pop(0)
         self._timed(b, advance, self.engine, b, self._params(b), 0, self.version)
         tokens = float(sum(len(g.response_ids) for g in b.gens))
-        return RolloutBatch(b.gens, b.version, b.generate_s, b.wait_weights_s, tokens)
+        return b.gens, b.version, b.generate_s, b.wait_weights_s, tokens
 
     def state(self) -> list:
         return [b.to_state() for b in self.batches]

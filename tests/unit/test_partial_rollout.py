@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlstack.config import RolloutConfig
+from rlstack.placement import RolloutBatch
 from rlstack.rollout.base import Generation
 from rlstack.rollout.hf_engine import HFEngine
 from rlstack.rollout.partial import PartialQueue, chunk_tokens, interrupted_share, mask_older
@@ -52,7 +53,7 @@ def test_an_interrupted_sample_finishes_under_the_new_weights(model_dir):
     engine.load_weights(_new_weights(engine).items())
     engine.weights_updated()
     queue.weights(1)  # the update interrupts the batch: 2 more tokens each under version 1
-    batch = queue.finish_oldest()  # the rest (2 tokens each) under version 1
+    batch = RolloutBatch(*queue.finish_oldest())  # the rest (2 tokens each) under version 1
     assert len(batch.gens) == 6 and batch.version == 0
     assert interrupted_share(batch.gens) == 1.0
     rows = [(g, g.prompt_ids + g.response_ids, len(g.prompt_ids)) for g in batch.gens]
@@ -83,7 +84,7 @@ def test_the_queue_saved_in_flight_resumes_exactly(model_dir):
             queue.restore([state])
         engine.load_weights(_new_weights(engine).items())
         queue.weights(1)
-        runs.append([(g.response_ids, g.logprobs, g.versions) for g in queue.finish_oldest().gens])
+        runs.append([(g.response_ids, g.logprobs, g.versions) for g in queue.finish_oldest()[0]])
     assert runs[0] == runs[1]
 
 
