@@ -13,7 +13,8 @@ Both rollouts sample the same random prompts on one engine (eos ignored: every t
   inserts --tool-ids ids (mask 0), which the next turn prefills.
 tokens/s = policy tokens / the rollout call's wall time. `ratio` = multi / single; `engine_ratio`
 the same on the seconds inside the engine only (what the multi-turn path costs the engine: one call
-per turn, re-prefilling each context); `tool_share` = the union of the tool waits / the multi-turn
+per turn, re-prefilling each context); `cpu_ratio` the same on this process's CPU seconds (all
+threads; less sensitive to other processes loading the machine, blind to the tool waits); `tool_share` = the union of the tool waits / the multi-turn
 wall time. Repetitions alternate the two (load drift on a shared machine hits both); medians.
 """
 
@@ -113,14 +114,14 @@ def measure(opts, hf_dir: str, groups) -> dict:
     tokens = opts.batch * policy_per_row
     runs = []
     for _ in range(opts.repeats):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         single = engine.generate(prompts, params)
-        single_s = time.perf_counter() - start
+        single_s, single_cpu = time.perf_counter() - start, time.process_time() - cpu
         assert sum(len(g.response_ids) for g in single) == tokens, "a single-turn row ended early"
         waits.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         samples = driver.generate(prompts, rows, params)
-        multi_s = time.perf_counter() - start
+        multi_s, multi_cpu = time.perf_counter() - start, time.process_time() - cpu
         assert sum(sum(s.response_mask) for s in samples) == tokens, "a multi-turn row ended early"
         stats = driver.last_stats
         engine_s = stats["agent/engine_share"] * stats["agent/seconds"]
@@ -130,6 +131,7 @@ def measure(opts, hf_dir: str, groups) -> dict:
                 "multi_tok_s": tokens / multi_s,
                 "ratio": single_s / multi_s,
                 "engine_ratio": single_s / engine_s,
+                "cpu_ratio": single_cpu / multi_cpu,
                 "tool_share": union_seconds(waits) / multi_s,
                 "engine_calls": stats["agent/engine_calls"],
                 "rows_per_engine_call": stats["agent/rows_per_engine_call"],
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
         f"agent engine={out['engine']} batch={out['batch']} turns={out['turns']}x{out['turn_tokens']} "
         f"tool_ids={out['tool_ids']} tool_s={out['tool_s']} single_tok_s={out['single_tok_s']:.1f} "
         f"multi_tok_s={out['multi_tok_s']:.1f} ratio={out['ratio']:.3f} engine_ratio={out['engine_ratio']:.3f} "
+        f"cpu_ratio={out['cpu_ratio']:.3f} "
         f"tool_share={out['tool_share']:.3f} all_ratios={[round(r['ratio'], 3) for r in out['runs']]}",
         flush=True,
     )

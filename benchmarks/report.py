@@ -195,6 +195,13 @@ def agent_rows(a: Optional[dict]) -> list[str]:
             "",
         ),
         _row(
+            "&nbsp;&nbsp;the same, process CPU seconds (steadier on a loaded machine; no tool waits)",
+            fmt_pct(a["cpu_ratio"]) if "cpu_ratio" in a else "-",
+            _pct_spread(runs, "cpu_ratio") if "cpu_ratio" in a else "-",
+            "",
+            "",
+        ),
+        _row(
             "&nbsp;&nbsp;share of the multi-turn rollout's time waiting on tools",
             fmt_pct(a["tool_share"]),
             _pct_spread(runs, "tool_share"),
