@@ -15,7 +15,9 @@ tokens/s = policy tokens / the rollout call's wall time. `ratio` = multi / singl
 the same on the seconds inside the engine only (what the multi-turn path costs the engine: one call
 per turn, re-prefilling each context); `cpu_ratio` the same on this process's CPU seconds (all
 threads; less sensitive to other processes loading the machine, blind to the tool waits); `tool_share` = the union of the tool waits / the multi-turn
-wall time. Repetitions alternate the two (load drift on a shared machine hits both); medians.
+wall time; `prefill_ratio` = context tokens the multi-turn rollout prefills (every turn's whole
+context: no KV cache is kept across engine calls) / the single-turn one's (the prompts), the
+engine work it adds whatever the machine's load. Repetitions alternate the two (load drift on a shared machine hits both); medians.
 """
 
 from __future__ import annotations
@@ -60,14 +62,16 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def tool_loop(turns: int, turn_tokens: int, tool_ids: list[int], tool_s: float, waits: list):
-    """An AgentLoop: `turns` policy turns of `turn_tokens`, a tool call between each two."""
+def tool_loop(turns: int, turn_tokens: int, tool_ids: list[int], tool_s: float, waits: list, contexts: list):
+    """An AgentLoop: `turns` policy turns of `turn_tokens`, a tool call between each two; each
+    turn's context length goes to `contexts` (what the engine prefills: no KV cache across calls)."""
     from rlstack.agent import AgentLoop, Transcript
 
     class ToolTurns(AgentLoop):
         async def run(self, prompt_ids, ctx):
             t = Transcript(prompt_ids)
             for turn in range(turns):
+                contexts.append(len(t.context))
                 t.add_generated(await ctx.generate(t.context, max_new_tokens=turn_tokens))
                 if turn + 1 < turns:
                     start = time.perf_counter()
@@ -103,13 +107,15 @@ def measure(opts, hf_dir: str, groups) -> dict:
     prompts = torch.randint(10, hi, (opts.batch, opts.prompt_len), generator=gen).tolist()
     tool_ids = torch.randint(10, hi, (opts.tool_ids,), generator=gen).tolist()
     waits: list = []
+    contexts: list = []
     loops = LoopSet("single_turn")
-    loops.register("tools", tool_loop(opts.turns, opts.turn_tokens, tool_ids, opts.tool_s, waits))
+    loops.register("tools", tool_loop(opts.turns, opts.turn_tokens, tool_ids, opts.tool_s, waits, contexts))
     driver = AgentRollout(engine, None, loops, budget)
     rows = [{"agent_name": "tools"}] * opts.batch
     params = SamplingParams(max_new_tokens=policy_per_row)
     engine.generate(prompts, params)  # warm-up of both paths at full size (first-call kernels, allocator)
     driver.generate(prompts, rows, params)
+    prefill_ratio = sum(contexts) / (opts.batch * opts.prompt_len)  # context tokens prefilled, multi / single
 
     tokens = opts.batch * policy_per_row
     runs = []
@@ -143,6 +149,7 @@ def measure(opts, hf_dir: str, groups) -> dict:
     out.update(
         runs=runs,
         policy_tokens=tokens,
+        prefill_ratio=prefill_ratio,
         engine=opts.engine,
         batch=opts.batch,
         prompt_len=opts.prompt_len,
@@ -175,7 +182,7 @@ def main(argv=None) -> int:
         f"tool_ids={out['tool_ids']} tool_s={out['tool_s']} single_tok_s={out['single_tok_s']:.1f} "
         f"multi_tok_s={out['multi_tok_s']:.1f} ratio={out['ratio']:.3f} engine_ratio={out['engine_ratio']:.3f} "
         f"cpu_ratio={out['cpu_ratio']:.3f} "
-        f"tool_share={out['tool_share']:.3f} all_ratios={[round(r['ratio'], 3) for r in out['runs']]}",
+        f"tool_share={out['tool_share']:.3f} prefill_ratio={out['prefill_ratio']:.2f} all_ratios={[round(r['ratio'], 3) for r in out['runs']]}",
         flush=True,
     )
     if opts.json:

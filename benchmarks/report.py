@@ -188,7 +188,8 @@ def agent_rows(a: Optional[dict]) -> list[str]:
             f"goal met: {met}",
         ),
         _row(
-            "&nbsp;&nbsp;the same, engine seconds only (one engine call a turn, contexts re-prefilled)",
+            "&nbsp;&nbsp;the same, engine seconds only (one engine call a turn, contexts re-prefilled"
+            + (f": {a['prefill_ratio']:.2g}x the single-turn prefill)" if "prefill_ratio" in a else ")"),
             fmt_pct(a["engine_ratio"]),
             _pct_spread(runs, "engine_ratio"),
             "",

@@ -14,6 +14,7 @@ AGENT = {
     "engine_ratio": 0.95,
     "tool_share": 0.04,
     "cpu_ratio": 0.88,
+    "prefill_ratio": 7.0,
     "single_tok_s": 1000.0,
     "multi_tok_s": 900.0,
     "runs": [
@@ -42,6 +43,7 @@ def test_the_agent_row_is_in_the_table_with_its_goal():
     assert "multi-turn / single-turn, same policy tokens (micro-bench): 32 rows x 4 turns x 16 tokens" in text
     assert "| 90.0% | 85.0%–95.0% (n=2) | single-turn 1 ktok/s; goal >= 80.0% | goal met: yes |" in text
     assert "| &nbsp;&nbsp;share of the multi-turn rollout's time waiting on tools | 4.0% | 3.0%–5.0% (n=2) |" in text
+    assert "contexts re-prefilled: 7x the single-turn prefill) | 95.0% | 90.0%–100.0% (n=2) |" in text
     assert "(steadier on a loaded machine; no tool waits) | 88.0% | 86.0%–90.0% (n=2) |" in text
     results["agent"]["ratio"] = 0.7
     assert "goal met: no" in report.render_markdown(results, analysis.derive(results))
