@@ -122,6 +122,7 @@ def main_table(results: dict, f: dict) -> list[str]:
                 _frac(f, "rollout/decode_live_share"),
             )
         )
+    lines += agent_rows(results.get("agent"))
     for role, name in (("actor_fwd", "actor forward"), ("critic_fwd", "critic forward")):
         if isinstance(stages, dict) and role in stages:
             lines.append(
@@ -154,6 +155,61 @@ def main_table(results: dict, f: dict) -> list[str]:
     lines.append(_row("weight sync peak extra memory", *fmt_stat(f.get("sync/peak_extra_bytes"), "B"), "", ""))
     lines += _memory_rows(results, f)
     return lines
+
+
+AGENT_GOAL = 0.8  # issue 35: a multi-turn rollout makes at least 80% of a single-turn one's tokens/s
+
+
+def _pct_spread(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs]
+    return f"{fmt_pct(min(values))}–{fmt_pct(max(values))} (n={len(values)})"
+
+
+def agent_rows(a: Optional[dict]) -> list[str]:
+    """The agent row (benchmarks/agent.py): multi-turn tokens/s as a share of single-turn's, the
+    engine's part of it, and the share of the multi-turn rollout's time spent waiting on tools."""
+    if not isinstance(a, dict) or not a:
+        return []
+    name = "agent rollout tokens/s, multi-turn / single-turn, same policy tokens (micro-bench)"
+    if "ratio" not in a:
+        return [_row(name, "skipped", a.get("skipped", a.get("error", "")), "", "")]
+    runs = a["runs"]
+    shape = (
+        f"{a['batch']} rows x {a['turns']} turns x {a['turn_tokens']} tokens, {a['turns'] - 1} tool calls "
+        f"of {a['tool_s']:g} s inserting {a['tool_ids']} ids, {a['engine']} engine"
+    )
+    met = "yes" if a["ratio"] >= AGENT_GOAL else "no"
+    return [
+        _row(
+            f"{name}: {shape}",
+            fmt_pct(a["ratio"]),
+            _pct_spread(runs, "ratio"),
+            f"single-turn {fmt_num(a['single_tok_s'], 'tok/s')}; goal >= {fmt_pct(AGENT_GOAL)}",
+            f"goal met: {met}",
+        ),
+        _row(
+            "&nbsp;&nbsp;the same, engine seconds only (one engine call a turn, contexts re-prefilled"
+            + (f": {a['prefill_ratio']:.2g}x the single-turn prefill)" if "prefill_ratio" in a else ")"),
+            fmt_pct(a["engine_ratio"]),
+            _pct_spread(runs, "engine_ratio"),
+            "",
+            "",
+        ),
+        _row(
+            "&nbsp;&nbsp;the same, process CPU seconds (steadier on a loaded machine; no tool waits)",
+            fmt_pct(a["cpu_ratio"]) if "cpu_ratio" in a else "-",
+            _pct_spread(runs, "cpu_ratio") if "cpu_ratio" in a else "-",
+            "",
+            "",
+        ),
+        _row(
+            "&nbsp;&nbsp;share of the multi-turn rollout's time waiting on tools",
+            fmt_pct(a["tool_share"]),
+            _pct_spread(runs, "tool_share"),
+            "",
+            "",
+        ),
+    ]
 
 
 def _s(values: list[float]) -> Optional[dict]:
@@ -191,7 +247,7 @@ def run_notes(results: dict) -> list[str]:
     """A line per part that failed (its figures are missing or partial), and parts reused from a run."""
     notes = [
         f"- {part}: {results[part]['error']}"
-        for part in ("stages", "ceilings")
+        for part in ("stages", "ceilings", "agent")
         if isinstance(results.get(part), dict) and "error" in results[part]
     ]
     settings = results.get("settings") or {"": {"trainer": results.get("trainer"), "trl": results.get("trl")}}

@@ -8,7 +8,9 @@
    tokens/s, on the same layout and batch (benchmarks/stages.py under torchrun);
 3. ceilings: matmul FLOP/s at the model's training and decode shapes, memcpy bytes/s, measured with
    the trainer's ranks x threads (benchmarks/ceilings.py);
-4. TRL: GRPOTrainer on the same model, task, batch and lengths, in `.venv-bench` (created here
+4. agent: a multi-turn rollout's tokens/s against a single-turn one making the same policy tokens,
+   and its share of time waiting on tools (benchmarks/agent.py, one process with every thread);
+5. TRL: GRPOTrainer on the same model, task, batch and lengths, in `.venv-bench` (created here
    when missing; the comparison is skipped with a clear line when it cannot be installed).
 `--bf16` runs both sides in bf16 mixed precision instead (results <config>-bf16-<date>; READMEs untouched).
 Writes benchmarks/results/<config>-<date>.{md,json,png}; on CPU also the table in benchmarks/README.md
@@ -71,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="both sides in bf16 mixed precision (rlstack model.dtype=bfloat16, TRL bf16): results as "
         "<config>-bf16-<date>, ceilings in bf16, the README tables (fp32 comparison rows) left as they are",
     )
-    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,trl")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,agent,trl")
     p.add_argument(
         "--reuse",
         default="",
@@ -293,6 +295,55 @@ def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
         return json.load(f)
 
 
+AGENT_TURNS = 4  # policy turns of the agent row's trajectories (3 tool calls between them)
+
+
+def run_agent(args, setup: dict, env: dict) -> dict:
+    """The agent row (benchmarks/agent.py): the config's engine, decode rows per rank and response
+    length split over AGENT_TURNS turns, in one process with every thread of the trainer's ranks."""
+    out = os.path.join(args.work_dir, setup["config_name"], "agent")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "agent.json")
+    if os.path.isfile(path):
+        os.remove(path)
+    threads = setup["nproc"] * setup["threads_per_rank"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "agent.py"),
+        "--hf",
+        setup["hf_dir"],
+        "--engine",
+        setup["engine"],
+        "--batch",
+        str(setup["decode_rows_per_rank"]),
+        "--prompt-len",
+        str(min(64, setup["max_prompt_length"])),
+        "--turns",
+        str(AGENT_TURNS),
+        "--turn-tokens",
+        str(max(1, setup["max_new_tokens"] // AGENT_TURNS)),
+        "--repeats",
+        str(args.reps),
+        "--threads",
+        str(threads),
+        "--json",
+        path,
+    ]
+    r = run_sampled(
+        cmd,
+        os.path.join(out, "bench.log"),
+        launcher=False,
+        timeout_s=args.timeout_min * 60,
+        env={**env, "OMP_NUM_THREADS": str(threads)},
+        cwd=ROOT,
+        echo=lambda line: line.startswith("agent ") or "Error" in line,
+    )
+    if r.returncode != 0 or not os.path.isfile(path):
+        return {"error": _failure("agent rollout", r)}
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_trl(args, setup: dict, cfg, name: str = "", beta: float = 0.0) -> dict:
     python, reason = environment.ensure_bench_venv(args.bench_venv)
     if python is None:
@@ -448,6 +499,7 @@ def main(argv=None) -> int:
             results["ceilings"] = run_part(
                 "ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)
             )
+            results["agent"] = run_part("agent", lambda: run_agent(args, setup, env))
         pair = settings.get(st.get("trl_from", ""), {}).get("trl")
         if pair is not None:  # the same work on TRL's side was run under another setting's name
             st["trl"] = pair
@@ -489,7 +541,7 @@ def publish(results: dict, out_dir: str) -> int:
             )
     print(text, flush=True)
     print(f"wrote {stem}.md, .json, .png", flush=True)
-    parts = [results.get(k, {}) for k in ("stages", "ceilings")]
+    parts = [results.get(k, {}) for k in ("stages", "ceilings", "agent")]
     for st in results.get("settings", {}).values():
         parts += [st.get("trainer", {}), st.get("trl", {})]
     failed = [p for p in parts if "error" in p] or [k for k in ("trainer", "trl") if "error" in results.get(k, {})]

@@ -34,6 +34,7 @@ from rlstack.build import TrainerParts, build_parts, step_parts
 from rlstack.config import ExperimentConfig, adv_estimator
 from rlstack.rollout import sync_check
 from rlstack.step import StepBatch
+from rlstack.step import agent as agent_step
 from rlstack.step import metrics as step_metrics
 from rlstack.workers.batch import Rollout, pad_rows
 
@@ -235,5 +236,6 @@ class Trainer:
         metrics = val_accuracy(scores.values, [prompts[x.prompt_index].data_source for x in gens])
         # every rank scored every validation response: no reduction over ranks
         metrics.update({"val/" + k: v for k, v in self.scoring.metrics(scores, over_dp=False).items()})
+        metrics.update(agent_step.val_records(gens))  # val/agent/* (multi-turn validation: docs/agents.md)
         self.phases.enter("idle")  # offload
         return metrics

@@ -52,6 +52,16 @@ def step_records(cfg, step: int, prompts: list, gens: list, scores: list, tokeni
     return metrics
 
 
+def val_records(gens: list) -> dict:
+    """Validation's agent metrics: the step's `agent/*` over the greedy validation samples, under
+    `val/` (`val/agent/num_turns/mean`, `val/agent/finish_reason/stop`, ...). Every rank generated
+    every validation sample (Trainer.validate): no reduction. {} when no sample went through a loop."""
+    from rlstack.agent.records import agent_metrics
+
+    samples = [g.agent for g in gens if getattr(g, "agent", None) is not None]
+    return agent_metrics(samples, prefix="val/agent/") if samples else {}
+
+
 def write_step_file(directory: str, step: int, prompts: list, gens: list, scores: list, tokenizer, groups) -> None:
     """DIR/<step>.jsonl of every DP rank's samples (rank 0 writes; all DP ranks join the gather)."""
     from rlstack.agent.records import write_rollout_data

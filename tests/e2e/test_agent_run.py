@@ -44,6 +44,7 @@ def test_multi_turn_run_learns_and_resumes_exactly(tmp_path):
         assert m["agent/num_turns/max"] == 4.0 and 0.5 < m["agent/inserted_token_share"] < 1.0
         assert m["actor/rollout_diff_max"] <= 1e-4  # engine vs actor on the policy tokens (fp32)
     assert "val/accuracy" in expected[4] and "val/accuracy" in expected[8]
+    assert 2.0 <= expected[8]["val/agent/num_turns/mean"] <= 4.0  # validation's agent metrics (greedy, same loop)
     lines = [json.loads(x) for x in open(os.path.join(dump, "8.jsonl"))]
     assert len(lines) == 32 * 16 and {x["step"] for x in lines} == {8}  # every DP rank's samples, one file
     assert sum(x["score"] for x in lines) / len(lines) == pytest.approx(expected[8]["reward/mean"], abs=1e-6)

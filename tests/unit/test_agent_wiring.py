@@ -149,3 +149,70 @@ def test_rows_naming_loops_with_split_placement_are_refused(tok):
     with pytest.raises(UserError, match=r"agent_name: tool_agent\) with placement.rollout_ranks=1"):
         check_agent_rows(split, None, data)
     check_agent_rows(SimpleNamespace(placement=PlacementConfig()), data)
+
+
+def _validating_trainer(prompts, gens_for):
+    """A Trainer with only what `validate` reads: the validation set in chunks of 2, a source whose
+    greedy generate gives `gens_for(chunk)`, a scorer of 1.0 for every response."""
+    from rlstack.trainer import Trainer
+
+    class Source:
+        def generate(self, chunk, step, greedy):
+            assert greedy, "validation generates greedily"
+            return gens_for(chunk), 0
+
+    class Scorer:
+        def score(self, prompts, gens, over_dp=True):
+            return SimpleNamespace(values=[1.0] * len(gens))
+
+        def metrics(self, scores, over_dp):
+            return {}
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = SimpleNamespace(data=SimpleNamespace(val_batch_size=2))
+    trainer.val_set, trainer.source, trainer.scoring, trainer.step = prompts, Source(), Scorer(), 3
+    trainer.phases = SimpleNamespace(enter=lambda phase: None)
+    return trainer
+
+
+def test_validation_logs_the_agent_metrics_under_val(tok):
+    """Greedy multi-turn validation logs the step's agent/* metrics as val/agent/*: turns, tool calls
+    and errors, stop reasons (over every validation sample, both chunks)."""
+    from rlstack.agent.driver import AgentSample
+    from rlstack.rollout.interface import Generation
+    from rlstack.step.agent import step_records
+
+    pool = [
+        AgentSample([1], [5, 6, 7, 8], [1, 0, 0, 1], [-1.0, 0.0, 0.0, -1.0], 4, "stop", None, {"tool_calls": 2}),
+        AgentSample([1], [5, 6], [1, 1], [-1.0, -1.0], 2, "length", None, {"tool_errors": {"timeout": 1}}),
+        AgentSample([1], [5, 6, 7], [1, 0, 1], [-1.0, 0.0, -1.0], 6, "max_assistant_turns", None, {"tool_calls": 1}),
+    ]
+    made = []
+
+    def agent_gens(chunk):
+        out = []
+        for i, _ in enumerate(chunk):
+            s = pool[len(made)]
+            out.append(Generation(i, s.prompt_ids, s.response_ids, s.logprobs, s.finish_reason, s.response_mask, s))
+            made.append(out[-1])
+        return out
+
+    prompts = _prompts(tok)
+    metrics = _validating_trainer(prompts, agent_gens).validate()
+    assert len(made) == 3 and metrics["val/accuracy"] == 1.0
+    assert metrics["val/agent/num_turns/mean"] == 4.0 and metrics["val/agent/num_turns/max"] == 6.0
+    assert metrics["val/agent/tool_calls"] == 3.0 and metrics["val/agent/tool_errors/timeout"] == 1.0
+    assert metrics["val/agent/finish_reason/stop"] == pytest.approx(1 / 3)
+    assert metrics["val/agent/inserted_token_share"] == pytest.approx(3 / 9)
+    training = step_records(
+        SimpleNamespace(trainer=SimpleNamespace(rollout_data_dir="")), 1, [], [], [], tok, GROUPS, made
+    )
+    assert {k: v for k, v in metrics.items() if k.startswith("val/agent/")} == {
+        "val/" + k: v for k, v in training.items()
+    }
+
+    def plain_gens(chunk):
+        return [Generation(i, [1], [5], [-1.0], "stop") for i, _ in enumerate(chunk)]
+
+    plain = _validating_trainer(prompts, plain_gens).validate()
+    assert "val/accuracy" in plain and not any(k.startswith("val/agent/") for k in plain)  # single-turn: none
