@@ -149,6 +149,9 @@ export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
 # announce (it prints a banner when it sets OMP_NUM_THREADS itself).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# The first stop signal goes to the ranks only (below), so torchrun's SIGKILL 30 s after forwarding one
+# does not apply: the ranks keep trainer.stop_grace_s in full (rlstack.preemption.clamp_grace).
+export RLSTACK_SIGNALS_TO_RANKS=1
 mkdir -p "$log_dir"
 stopped_file="$output_dir/stopped_to_resume.json"   # rank 0 writes it when it stopped to be resumed
 rm -f "$stopped_file"

@@ -35,6 +35,9 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     try:
         if placement is not None and placement.is_rollout:
             _serve_rollout(cfg, placement)
+            from rlstack import preemption
+
+            stopped = preemption.stop_requested()  # told by the training ranks, which stopped to be resumed
         else:
             trainer, trackers = _start(cfg, groups, overwrite, placement)
             _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
