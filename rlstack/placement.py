@@ -143,6 +143,8 @@ class RolloutClient:
 
         req = RolloutRequest("stop", sync=False, resume=preemption.stop_requested())
         collectives.broadcast_object(req, 0, self.placement.full, self.device)
+        if req.resume:  # wait for the rollout ranks to close their engines (see serve)
+            collectives.all_gather_objects(None, self.placement.full, self.placement.world_size)
 
 
 # ---------------------------------------------------------------------- rollout side
@@ -224,6 +226,10 @@ def serve(side: RolloutSide) -> int:
         if req.kind == "stop":
             if req.resume:  # the training ranks saved and stopped to be resumed: exit 75 with them
                 preemption.request_stop("the training ranks' stop")
+                # Close the engine before they exit: torchrun SIGTERMs every other rank as soon as one
+                # exits non-zero (75), which would cut a vLLM child's shutdown (exit 143).
+                side.engine.close()
+                collectives.all_gather_objects(None, pl.full, pl.world_size)
             else:  # the run is complete (a signal in its last step changes nothing): exit 0 with them
                 preemption.reset()
             return served
