@@ -56,6 +56,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     if stopped:
         from rlstack import preemption
 
+        preemption.linger(rank)  # under torchrun rank 0 exits first (its teardown is not cut)
         return preemption.exit_status()  # 75: stopped to be resumed (0 under torchrun's restarts)
     return 0
 

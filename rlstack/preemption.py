@@ -279,6 +279,26 @@ def exit_status() -> int:
     return 0 if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 else RESUME_EXIT
 
 
+LINGER_S = 15.0  # how long a rank other than 0 waits for rank 0 to exit first after a stop to be resumed
+
+
+def linger(rank: int) -> None:
+    """After a stop to be resumed, under torchrun: let rank 0 exit first. torchrun SIGTERMs every
+    other rank as soon as one exits non-zero (75), and rank 0 still tears down (trackers, the run
+    directory's lock, an overwrite's clean-up). Other ranks wait up to LINGER_S; torchrun's SIGTERM
+    (or SIGINT) then ends them with the same status, so every rank reports 75."""
+    if rank == 0 or "TORCHELASTIC_RUN_ID" not in os.environ or exit_status() != RESUME_EXIT:
+        return
+    _flush_logs()
+
+    def done(signum, frame):
+        os._exit(RESUME_EXIT)
+
+    for num in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(num, done)
+    time.sleep(LINGER_S)
+
+
 def _flush_logs() -> None:
     for handler in logging.getLogger("rlstack").handlers:
         try:

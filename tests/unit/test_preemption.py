@@ -182,3 +182,20 @@ def test_a_rollout_ranks_stop_signal_travels_in_its_hand_over_and_stops_the_trai
     got, _ = client.receive()
     assert got.stop == "" and got.version == 3
     assert preemption.stop_requested() and preemption.reason() == "SIGUSR1 on rollout rank 1"
+
+
+def test_other_ranks_linger_after_a_stop_so_rank_0_exits_first_and_every_rank_reports_75():
+    import subprocess
+    import sys
+    import time
+
+    script = "from rlstack import preemption\nprint('ready', flush=True)\npreemption.linger(1)\nraise SystemExit(9)\n"
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="x", TORCHELASTIC_MAX_RESTARTS="0")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    time.sleep(1.0)  # torchrun, once rank 0 exited 75, SIGTERMs the lingering rank
+    assert proc.poll() is None, "rank 1 did not wait for rank 0"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == preemption.RESUME_EXIT
+    env.pop("TORCHELASTIC_RUN_ID")  # not under torchrun: nothing to wait for
+    assert subprocess.run([sys.executable, "-c", script], env=env, timeout=30).returncode == 9
