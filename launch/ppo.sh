@@ -161,8 +161,15 @@ trap 'rm -rf "$fifo_dir"' EXIT
 mkfifo "$fifo_dir/stderr"
 # The console gets the ranks' own lines; torchrun's own (its failure box, restarts, SIGTERM notes)
 # go to launcher.log only: a failed run's last console line is the failed rank's error, below.
+# srun and scancel (--signal=USR1 too) signal every process of the job step, not only this script.
+# The console pipeline ignores TERM, INT and USR1 (it ends when torchrun closes its stderr), and
+# torchrun ignores USR1: it handles TERM, INT, HUP and QUIT (forwarding them) but USR1's default
+# action would end it, and with it every rank (PR_SET_PDEATHSIG). The ranks set their own handlers
+# (trainer.stop_signals).
+trap '' TERM INT USR1
 tee -i "$launcher_log" <"$fifo_dir/stderr" | grep --line-buffered -E '^\[[a-z]+[0-9]+\]:' >&2 &
 tee_pid=$!
+trap - TERM INT
 "${cmd[@]}" 2>"$fifo_dir/stderr" &
 run_pid=$!
 # A first TERM, INT or USR1 (a scheduler's warning, preemption, Ctrl-C) goes straight to the ranks:

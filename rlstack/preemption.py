@@ -146,8 +146,23 @@ def unwind(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+# Under torchrun one stop can reach a rank several times within a second: srun and scancel signal every
+# process of the job step (ppo.sh, torchrun and the ranks), and ppo.sh and torchrun each forward it.
+DUPLICATE_S = 3.0
+
+
 def _on_signal(signum, frame) -> None:
     name = signal.Signals(signum).name
+    if _duplicate(signum):
+        log.warning(
+            "%s again %.1f s after the first: the same stop (forwarded by the launcher, or srun/scancel "
+            "signalling every process); a %s more than %g s later stops at once",
+            name,
+            time.time() - _state.received_at,
+            name,
+            DUPLICATE_S,
+        )
+        return
     if _state.signum or not _state.armed:  # a second signal: stop now (an atomic publish holds)
         log.warning("%s again: stopping now, without waiting for step %d", name, _state.step)
         raise SystemExit(128 + signum)
@@ -159,6 +174,15 @@ def _on_signal(signum, frame) -> None:
         _state.grace_s,
     )
     _start_grace()
+
+
+def _duplicate(signum: int) -> bool:
+    return (
+        _state.armed
+        and _state.signum == signum
+        and "TORCHELASTIC_RUN_ID" in os.environ
+        and time.time() - _state.received_at < DUPLICATE_S
+    )
 
 
 def _start_grace() -> None:

@@ -199,3 +199,25 @@ def test_other_ranks_linger_after_a_stop_so_rank_0_exits_first_and_every_rank_re
     assert proc.wait(timeout=10) == preemption.RESUME_EXIT
     env.pop("TORCHELASTIC_RUN_ID")  # not under torchrun: nothing to wait for
     assert subprocess.run([sys.executable, "-c", script], env=env, timeout=30).returncode == 9
+
+
+def test_the_same_signal_again_within_seconds_under_torchrun_is_the_same_stop(monkeypatch):
+    """srun/scancel signal every process of the step and ppo.sh and torchrun forward it too: a rank gets
+    one stop several times within a second. Outside torchrun a second signal stops at once (above)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RLSTACK_SIGNALS_TO_RANKS", "1")  # no clamp message
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        preemption.arm(["SIGTERM", "SIGUSR1"], grace_s=0)
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.stop_requested() and preemption.reason() == "SIGTERM"
+        with pytest.raises(SystemExit):  # another signal is not a duplicate
+            os.kill(os.getpid(), signal.SIGUSR1)
+        preemption._state.received_at -= preemption.DUPLICATE_S  # later: a deliberate second signal
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.code == 128 + signal.SIGTERM
+    finally:
+        preemption.disarm(["SIGTERM", "SIGUSR1"])
+        signal.signal(signal.SIGTERM, old)
