@@ -181,7 +181,14 @@ forward() {
     stop_signal="$1"
     pkill "-$1" -P "$run_pid" 2>/dev/null || kill -TERM "$run_pid" 2>/dev/null || true
   else
+    # Stop now: the ranks take the same signal again within seconds as the same stop (srun repeats
+    # it, rlstack.preemption.DUPLICATE_S), so they get the other of TERM/INT, then torchrun TERM.
+    local first="$stop_signal" now=INT
     stop_signal="$1"
+    if [[ -n "$first" ]]; then
+      [[ "$first" != INT ]] || now=TERM
+      pkill "-$now" -P "$run_pid" 2>/dev/null || true
+    fi
     kill -TERM "$run_pid" 2>/dev/null || true
   fi
 }

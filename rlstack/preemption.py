@@ -148,7 +148,7 @@ def unwind(signum, frame) -> None:
 
 # Under torchrun one stop can reach a rank several times within a second: srun and scancel signal every
 # process of the job step (ppo.sh, torchrun and the ranks), and ppo.sh and torchrun each forward it.
-DUPLICATE_S = 3.0
+DUPLICATE_S = 2.0
 
 
 def _on_signal(signum, frame) -> None:
