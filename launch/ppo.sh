@@ -149,6 +149,9 @@ export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
 # announce (it prints a banner when it sets OMP_NUM_THREADS itself).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# The first stop signal goes to the ranks only (below), so torchrun's SIGKILL 30 s after forwarding one
+# does not apply: the ranks keep trainer.stop_grace_s in full (rlstack.preemption.clamp_grace).
+export RLSTACK_SIGNALS_TO_RANKS=1
 mkdir -p "$log_dir"
 stopped_file="$output_dir/stopped_to_resume.json"   # rank 0 writes it when it stopped to be resumed
 rm -f "$stopped_file"
@@ -158,8 +161,15 @@ trap 'rm -rf "$fifo_dir"' EXIT
 mkfifo "$fifo_dir/stderr"
 # The console gets the ranks' own lines; torchrun's own (its failure box, restarts, SIGTERM notes)
 # go to launcher.log only: a failed run's last console line is the failed rank's error, below.
+# srun and scancel (--signal=USR1 too) signal every process of the job step, not only this script.
+# The console pipeline ignores TERM, INT and USR1 (it ends when torchrun closes its stderr), and
+# torchrun ignores USR1: it handles TERM, INT, HUP and QUIT (forwarding them) but USR1's default
+# action would end it, and with it every rank (PR_SET_PDEATHSIG). The ranks set their own handlers
+# (trainer.stop_signals).
+trap '' TERM INT USR1
 tee -i "$launcher_log" <"$fifo_dir/stderr" | grep --line-buffered -E '^\[[a-z]+[0-9]+\]:' >&2 &
 tee_pid=$!
+trap - TERM INT
 "${cmd[@]}" 2>"$fifo_dir/stderr" &
 run_pid=$!
 # A first TERM, INT or USR1 (a scheduler's warning, preemption, Ctrl-C) goes straight to the ranks:
@@ -171,7 +181,14 @@ forward() {
     stop_signal="$1"
     pkill "-$1" -P "$run_pid" 2>/dev/null || kill -TERM "$run_pid" 2>/dev/null || true
   else
+    # Stop now: the ranks take the same signal again within seconds as the same stop (srun repeats
+    # it, rlstack.preemption.DUPLICATE_S), so they get the other of TERM/INT, then torchrun TERM.
+    local first="$stop_signal" now=INT
     stop_signal="$1"
+    if [[ -n "$first" ]]; then
+      [[ "$first" != INT ]] || now=TERM
+      pkill "-$now" -P "$run_pid" 2>/dev/null || true
+    fi
     kill -TERM "$run_pid" 2>/dev/null || true
   fi
 }

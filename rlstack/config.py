@@ -141,7 +141,7 @@ class RolloutConfig:
     top_k: int = -1  # -1: off
     max_new_tokens: int = 64  # response length limit
     micro_batch_size: int = 32  # sequences generated at once by the hf engine
-    timeout_s: float = 0.0  # a generation (hf engine) not done in this many seconds stops the run (exit 4); 0: off
+    timeout_s: float = 0.0  # a generation (hf or vllm) not done in this many seconds stops the run (exit 4); 0: off
     sync_bucket_mb: int = 64  # weight-sync bucket size
     # hf engine, training TP1 x PP1, same dtype: engine weights are views of the actor's (0 bytes synced)
     zero_copy: bool = True

@@ -35,6 +35,9 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     try:
         if placement is not None and placement.is_rollout:
             _serve_rollout(cfg, placement)
+            from rlstack import preemption
+
+            stopped = preemption.stop_requested()  # told by the training ranks, which stopped to be resumed
         else:
             trainer, trackers = _start(cfg, groups, overwrite, placement)
             _seed_all(cfg.trainer.seed)  # vLLM in-process reseeds torch's global RNG when it starts
@@ -53,6 +56,7 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
     if stopped:
         from rlstack import preemption
 
+        preemption.linger(rank)  # under torchrun rank 0 exits first (its teardown is not cut)
         return preemption.exit_status()  # 75: stopped to be resumed (0 under torchrun's restarts)
     return 0
 

@@ -49,6 +49,7 @@ class RolloutRequest:
     queue: bool = False  # keep the batch on the rollout ranks until a "receive" request (rollout.staleness)
     # "restore" (rollout.partial, on resume): each replica's queued in-flight batches, as "snapshot" gave them
     inflight: list = field(default_factory=list)
+    resume: bool = False  # "stop": the training ranks stopped to be resumed (the rollout ranks exit 75 too)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class RolloutBatch:
     generate_s: float  # rollout ranks busy generating
     wait_weights_s: float  # rollout ranks idle from handing over the last batch until the weights arrived
     tokens: float
+    stop: str = ""  # a rollout rank's stop signal ("SIGUSR1 on rollout rank 1"): the training ranks stop too
 
     def to_state(self) -> dict:
         """JSON-safe (checkpoint trainer_state.json; floats round-trip exactly through repr)."""
@@ -113,8 +115,13 @@ class RolloutClient:
         waited = time.perf_counter() - t0
         mine = [p for p in parts if p is not None]
         assert mine, "no rollout replica reported a batch"
+        stop = next((p.stop for p in mine if p.stop), "")
+        if stop:  # a stop signal reached a rollout rank: stop after this step, as for a training rank's
+            from rlstack import preemption
+
+            preemption.remote_stop(stop)
         gens = [g for p in mine for g in p.gens]
-        return dataclasses.replace(mine[0], gens=gens, tokens=sum(p.tokens for p in mine)), waited
+        return dataclasses.replace(mine[0], gens=gens, tokens=sum(p.tokens for p in mine), stop=""), waited
 
     def generate(self, prompts: list, step: int, version: int, greedy: bool, sync: bool = True):
         """Synchronous: current weights (unless `sync` is False), then `prompts` (objects with `.input_ids`)
@@ -141,7 +148,12 @@ class RolloutClient:
         self.last_stream = (dataclasses.replace(meta, gens=[]), sync, waited)
 
     def stop(self) -> None:
-        collectives.broadcast_object(RolloutRequest("stop", sync=False), 0, self.placement.full, self.device)
+        from rlstack import preemption
+
+        req = RolloutRequest("stop", sync=False, resume=preemption.stop_requested())
+        collectives.broadcast_object(req, 0, self.placement.full, self.device)
+        if req.resume:  # wait for the rollout ranks to close their engines (see serve)
+            collectives.all_gather_objects(None, self.placement.full, self.placement.world_size)
 
 
 # ---------------------------------------------------------------------- rollout side
@@ -213,7 +225,7 @@ def split_layout(cfg, placement) -> tuple[int, int, int]:
 
 def serve(side: RolloutSide) -> int:
     """A rollout rank's loop: request -> sync -> generate -> hand over, until "stop". Returns requests served."""
-    from rlstack import stages
+    from rlstack import preemption, stages
     from rlstack.rollout.partial import PartialQueue
 
     pl, cfg, served = side.placement, side.cfg, 0
@@ -224,6 +236,14 @@ def serve(side: RolloutSide) -> int:
     while True:
         req = collectives.broadcast_object(None, 0, pl.full, side.groups.device)
         if req.kind == "stop":
+            if req.resume:  # the training ranks saved and stopped to be resumed: exit 75 with them
+                preemption.request_stop("the training ranks' stop")
+                # Close the engine before they exit: torchrun SIGTERMs every other rank as soon as one
+                # exits non-zero (75), which would cut a vLLM child's shutdown (exit 143).
+                side.engine.close()
+                collectives.all_gather_objects(None, pl.full, pl.world_size)
+            else:  # the run is complete (a signal in its last step changes nothing): exit 0 with them
+                preemption.reset()
             return served
         if req.kind in ("receive", "snapshot"):
             if partial is None:
@@ -231,11 +251,14 @@ def serve(side: RolloutSide) -> int:
             else:  # each replica hands over its own share
                 part = RolloutBatch(*partial.finish_oldest()) if req.kind == "receive" else partial.state()
                 part = part if reports else None
+            if req.kind == "receive":
+                part = _flagged(part, pl)
             collectives.all_gather_objects(part, pl.full, pl.world_size)
             continue
         if req.kind == "restore":
             partial.restore(req.inflight)
             continue
+        preemption.begin_step(req.seed_step + 1)  # the 1-based step this batch is for (engine errors name it)
         if req.sync:
             side.weight_sync.sync()
             if partial is not None:  # the batches in flight go on under the new weights
@@ -267,9 +290,22 @@ def serve(side: RolloutSide) -> int:
             assert len(queued) < max(1, cfg.rollout.staleness), "more batches ahead than rollout.staleness"
             queued.append(part)
         else:
-            collectives.all_gather_objects(part, pl.full, pl.world_size)
+            collectives.all_gather_objects(_flagged(part, pl), pl.full, pl.world_size)
         idle_since = time.perf_counter()
         served += 1
+
+
+def _flagged(part: Optional[RolloutBatch], pl) -> Optional[RolloutBatch]:
+    """A hand-over carries this rollout rank's stop signal, if one came (`trainer.stop_signals`): the
+    training ranks then stop after the step in flight. A rank that hands over nothing sends an empty batch."""
+    from rlstack import preemption
+
+    if not preemption.stop_requested():
+        return part
+    if part is None:
+        part = RolloutBatch([], 0, 0.0, 0.0, 0.0)
+    preemption.handed_over()
+    return dataclasses.replace(part, stop=f"{preemption.reason()} on rollout rank {pl.rank}")
 
 
 def _versioned(gens: list, version: int) -> list:
@@ -309,15 +345,20 @@ def _serve_stream(side: RolloutSide, req: RolloutRequest, waited: float) -> None
         tokens += sum(len(x.response_ids) for x in gens)
         first = g.rank % cfg.tp == 0  # the replica's first rank reports for the replica
         part = RolloutBatch(gens, req.version, busy, waited, tokens) if first else None
-        collectives.all_gather_objects(part, pl.full, pl.world_size)
+        collectives.all_gather_objects(_flagged(part, pl), pl.full, pl.world_size)
 
 
 def run_rollout_rank(cfg, placement, device) -> None:
+    from rlstack import preemption
+
     side = build_rollout_side(cfg, placement, device)
+    # trainer.stop_signals on this rank too: the next hand-over tells the training ranks (`_flagged`)
+    preemption.arm(cfg.trainer.stop_signals, cfg.trainer.stop_grace_s, trains=False)
     try:
         served = serve(side)
         log.info("rollout rank %d: served %d requests", placement.rank, served)
     finally:
+        preemption.disarm(cfg.trainer.stop_signals)
         side.engine.close()
 
 

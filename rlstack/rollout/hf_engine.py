@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -321,7 +320,7 @@ class HFEngine(RolloutEngine):
 
         # rollout.timeout_s: a hung generation stops the run naming engine, rank and step (docs/reliability.md)
         with preemption.rollout_watchdog(getattr(self.cfg, "timeout_s", 0.0), "hf"):
-            _fault_hang(preemption)
+            preemption.fault_hang()
             return self._generate(prompts, params, max_new_tokens)
 
     def _generate(
@@ -506,12 +505,3 @@ class HFEngine(RolloutEngine):
             "rollout/decode_rows_mean": c.decode_rows / c.decode_steps,
             "rollout/decode_live_share": (c.tokens - c.sequences) / c.decode_rows,
         }
-
-
-def _fault_hang(preemption) -> None:
-    """tests/fault: RLSTACK_FAULT_ROLLOUT_HANG_STEP=K (and RLSTACK_FAULT_RANK=R, default every rank)
-    makes step K's generation hang, as a stuck engine would."""
-    step = preemption.fault_hook("ROLLOUT_HANG_STEP")
-    rank = preemption.fault_hook("RANK")
-    if step and int(step) == preemption.current_step() and rank in (None, os.environ.get("RANK", "0")):
-        time.sleep(3600)

@@ -137,6 +137,17 @@ class VLLMEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
     ) -> list[Generation]:
+        from rlstack import preemption
+
+        # rollout.timeout_s: a hung generation stops the run naming engine, rank and step (docs/reliability.md).
+        # In split placement's child process it is 0: the rollout rank bounds the child (vllm_subprocess).
+        with preemption.rollout_watchdog(getattr(self.cfg, "timeout_s", 0.0), "vllm"):
+            preemption.fault_hang()
+            return self._generate(prompts, params, max_new_tokens)
+
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]]
+    ) -> list[Generation]:
         params.validate()
         greedy = params.greedy
         if max_new_tokens is None:

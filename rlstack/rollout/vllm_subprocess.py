@@ -26,12 +26,14 @@ child's parameters are not addressable from the parent, so the sync always uses 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
+from rlstack import preemption
 from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams
 
 # torchrun's variables describe the run's world; the child must not see them (vLLM reads RANK etc.).
@@ -93,6 +95,7 @@ def child_env(spec: ChildSpec) -> dict[str, str]:
 
 
 def _child_main(conn, spec: ChildSpec) -> None:
+    _die_with_parent()
     for key in _WORLD_ENV:
         os.environ.pop(key, None)
     os.environ.update(child_env(spec))
@@ -132,6 +135,11 @@ def _child_main(conn, spec: ChildSpec) -> None:
                 out = None
             elif op == "metrics":
                 out = engine.metrics()
+            elif op == "hang":  # tests/fault (RLSTACK_FAULT_ROLLOUT_HANG_STEP): a stuck engine
+                import time
+
+                time.sleep(3600)
+                continue
             elif op == "close":
                 engine.close()
                 conn.send(("ok", None))
@@ -141,6 +149,18 @@ def _child_main(conn, spec: ChildSpec) -> None:
             conn.send(("ok", out))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
+
+
+def _die_with_parent() -> None:
+    """The child dies with its rollout rank (PR_SET_PDEATHSIG), also when the rank exits with
+    os._exit (a dead or hung engine, rlstack.preemption.engine_failed) and skips its `finally`."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        return
 
 
 def _rendezvous_by_port() -> None:
@@ -180,10 +200,12 @@ class SubprocessVLLMEngine(RolloutEngine):
 
     target_layout = "hf"
 
-    def __init__(self, spec: ChildSpec):
+    def __init__(self, spec: ChildSpec, timeout_s: float = 0.0):
         import torch.multiprocessing as mp
 
         self.tp_size, self.tp_rank = spec.rollout_cfg.tp, spec.tp_rank
+        self.timeout_s = timeout_s  # rollout.timeout_s, bounding each generate here (the child's is 0)
+        self._running = False  # started: a lost child is a dead engine (exit 4), no longer a start failure
         self._port = spec.master_port if spec.rollout_cfg.tp > 1 else 0
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -192,13 +214,25 @@ class SubprocessVLLMEngine(RolloutEngine):
         child.close()
         self._shapes = self._answer(_START_TIMEOUT_S, "start")
         self._closed = False
+        self._running = True
 
-    def _answer(self, timeout: Optional[float] = None, what: str = "request"):
+    def _send(self, msg: tuple, what: str) -> None:
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self._lost(what)
+            raise
+
+    def _answer(self, timeout: Optional[float] = None, what: str = "request", generation: bool = False):
         if timeout is not None and not self._conn.poll(timeout):
+            if generation:  # rollout.timeout_s
+                self._proc.kill()
+                preemption.engine_timed_out("vllm", timeout)
             raise RuntimeError(f"the rollout rank's vLLM process gave no answer to {what} within {timeout:.0f}s")
         try:
             status, value = self._conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):
+            self._lost(what)
             raise RuntimeError(f"the rollout rank's vLLM process died during {what} (exit {self._proc.exitcode})")
         if status == "error":
             raise RuntimeError(f"the rollout rank's vLLM process failed during {what}:\n{value}")
@@ -207,8 +241,24 @@ class SubprocessVLLMEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
     ) -> list[Generation]:
-        self._conn.send(("generate", [list(p) for p in prompts], params, max_new_tokens))
-        return self._answer(what="generate")
+        if preemption.fault_step("VLLM_KILL_STEP"):  # tests/fault: the engine's process killed during the step
+            self._proc.kill()
+        if preemption.fault_step("ROLLOUT_HANG_STEP"):  # tests/fault: the engine stuck in this generation
+            self._send(("hang",), "generate")
+        self._send(("generate", [list(p) for p in prompts], params, max_new_tokens), "generate")
+        return self._answer(self.timeout_s if self.timeout_s > 0 else None, "generate", generation=True)
+
+    def _lost(self, what: str) -> None:
+        """The child is gone (killed, crashed): once running, a dead engine stops the run (exit 4)."""
+        if not self._running or self._closed:
+            return
+        self._proc.join(timeout=10)
+        code = self._proc.exitcode
+        how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit status {code}"
+        preemption.engine_failed(
+            "vllm",
+            f"lost its vLLM process (pid {self._proc.pid}, {how}) during step {preemption.current_step()}'s {what}",
+        )
 
     def param_targets(self):
         return None  # the child's parameters are not addressable here: the sync feeds the loader
@@ -217,13 +267,13 @@ class SubprocessVLLMEngine(RolloutEngine):
         return dict(self._shapes)
 
     def load_weights(self, named_tensors: Iterable) -> None:
-        self._conn.send(("load",))
+        self._send(("load",), "weight sync")
         try:
             for name, tensor in named_tensors:  # the sync's generator: receives bucket by bucket
-                self._conn.send(("t", name, tensor.detach().contiguous()))
+                self._send(("t", name, tensor.detach().contiguous()), "weight sync")
         finally:
-            self._conn.send(("end",))
-        self._answer(what="load_weights")
+            self._send(("end",), "weight sync")
+        self._answer(what="weight sync")
 
     def weights_updated(self) -> None:
         pass  # the child's load_weights resets vLLM's prefix cache itself
@@ -232,7 +282,7 @@ class SubprocessVLLMEngine(RolloutEngine):
         return set()
 
     def metrics(self) -> dict:
-        self._conn.send(("metrics",))
+        self._send(("metrics",), "metrics")
         return self._answer(what="metrics")
 
     def close(self) -> None:
@@ -269,7 +319,7 @@ def build_split_vllm(rollout_cfg, hf_dir: str, groups, placement, eos_token_id: 
     ports = collectives.all_gather_objects(port, placement.rollout, placement.num_rollout)
     spec = ChildSpec(
         hf_dir=hf_dir,
-        rollout_cfg=rollout_cfg,
+        rollout_cfg=dataclasses.replace(rollout_cfg, timeout_s=0.0),  # the rank bounds the child, not itself
         tp_rank=groups.rank % tp,
         master_port=ports[groups.rank - groups.rank % tp],
         seed=rollout_seed(rollout_cfg, groups),
@@ -277,7 +327,16 @@ def build_split_vllm(rollout_cfg, hf_dir: str, groups, placement, eos_token_id: 
         pad_token_id=pad_token_id,
         threads=torch.get_num_threads(),
     )
-    return SubprocessVLLMEngine(spec)
+    return SubprocessVLLMEngine(spec, timeout_s=rollout_cfg.timeout_s)
+
+
+def _signal_name(num: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def free_port() -> int:

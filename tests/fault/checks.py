@@ -44,6 +44,22 @@ def launch(out: str, overrides: list[str], nproc: int = 2, **popen) -> subproces
     )
 
 
+def launch_torchrun(out: str, overrides: list[str], nproc: int = 2) -> subprocess.Popen:
+    """The same run under raw `python -m torch.distributed.run` (no launch/ppo.sh), its own session."""
+    import sys
+
+    from tests.dist_utils import free_port
+
+    env = dict(os.environ, RLSTACK_IGNORE_SLURM="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("RLSTACK_SIGNALS_TO_RANKS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    cmd += ["-m", "rlstack.train", "--config", "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={out}"]
+    cmd += ["logging.progress=false", *overrides]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     try:
         text, _ = proc.communicate(timeout=timeout)

@@ -17,6 +17,7 @@ from tests.fault.checks import (
     finish,
     last_line,
     launch,
+    launch_torchrun,
     metrics_lines,
     rank_process,
     wait_for,
@@ -45,15 +46,15 @@ def _numeric(out: str) -> dict[int, dict]:
     return rows
 
 
-def _stop_then_resume(out: str, reference: dict, send) -> tuple[int, str]:
+def _stop_then_resume(out: str, reference: dict, send, start=launch, status=RESUME_EXIT) -> tuple[int, str]:
     """Start a run, call send(proc) once step 2 is logged, check the stop, resume, compare. -> stop step, log."""
-    proc = launch(out, RUN)
+    proc = start(out, RUN)
     try:
         wait_for(lambda: metrics_lines(out) >= 2, timeout=240, what="two steps", poll=0.02)
         send(proc)
     finally:
         text = finish(proc)
-    assert proc.returncode == RESUME_EXIT, text[-3000:]
+    assert proc.returncode == status, text[-3000:]
     with open(os.path.join(out, STOPPED_FILE)) as f:
         stopped = json.load(f)
     step = stopped["step"]
@@ -74,9 +75,17 @@ def _stop_then_resume(out: str, reference: dict, send) -> tuple[int, str]:
     return step, text
 
 
-def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path, reference):
-    step, text = _stop_then_resume(str(tmp_path / "term"), reference, lambda p: os.kill(p.pid, signal.SIGTERM))
+@pytest.mark.parametrize("launcher", ["ppo.sh", "torchrun"])
+def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path, reference, launcher):
+    """launch/ppo.sh sends the signal to the ranks only; raw torchrun forwards it and SIGKILLs its workers
+    30 s later, so there the ranks clamp trainer.stop_grace_s (said in the log) and exit 75 in time;
+    torchrun itself then exits 1 (any worker's non-zero exit), the checkpoint and the resume as with ppo.sh."""
+    start, status = (launch, RESUME_EXIT) if launcher == "ppo.sh" else (launch_torchrun, 1)
+    term = lambda p: os.kill(p.pid, signal.SIGTERM)  # noqa: E731
+    step, text = _stop_then_resume(str(tmp_path / "term"), reference, term, start, status)
     assert "stopped by SIGTERM" in text
+    clamped = "trainer.stop_grace_s=600 is clamped to 20 s" in text
+    assert clamped == (launcher == "torchrun"), text[-3000:]
 
 
 def test_sigusr1_to_one_rank_stops_every_rank(tmp_path, reference):

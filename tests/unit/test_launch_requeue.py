@@ -112,3 +112,24 @@ def test_max_restarts_reaches_torchrun(config, tmp_path, fake_stop):  # noqa: F8
     )
     assert result.returncode == 0, result.stderr
     assert "--max-restarts=3" in result.stdout.split()
+
+
+def test_usr1_to_every_process_of_the_step_leaves_torchrun_alive(config, tmp_path, fake_stop):  # noqa: F811
+    """srun and `scancel --signal=USR1` signal every process of the job step, torchrun and the console
+    pipeline included; torchrun's default action for USR1 is to die (taking every rank with it): ppo.sh
+    starts it with USR1 ignored, and the pipeline with TERM, INT and USR1 ignored. (The fake ranks get
+    theirs from ppo.sh: they are not built to take two.)"""
+    import psutil
+
+    work, bin_dir = fake_stop
+    proc, timeout = _run_launcher([config], _slurm_env(tmp_path, bin_dir), work)
+    _signal_when_ready(proc, tmp_path, 0)  # the ranks are up (signal 0: nothing sent)
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        if "rlstack.train" not in " ".join(child.cmdline()):  # torchrun, tee, grep
+            child.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGUSR1)
+    rc, out, err = _finish(proc, timeout)
+    assert rc == 75, err
+    launcher_log = (tmp_path / "out" / "torchrun_logs" / "node0" / "launcher.log").read_text()
+    assert "exitcode  : 75" in launcher_log, err[-3000:]  # torchrun lived to report its ranks' exits
