@@ -117,17 +117,17 @@ def test_a_hung_rollout_engine_stops_the_run_and_the_resume_repeats_the_step(tmp
     out = str(tmp_path / "hang")
     save = ["checkpoint.save_every=1", "checkpoint.keep_last=0"]
     monkeypatch.setenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP", "3")
-    proc = launch(out, [*RUN, *save, "rollout.timeout_s=20"])
+    proc = launch(out, [*RUN, *save, "rollout.timeout_s=10"])
     text = finish(proc)
     assert proc.returncode == ENGINE_EXIT, text[-3000:]
     line = last_line(text)
     assert "rollout engine hf on rank " in line and "did not finish step 3's generation" in line, line
-    assert "rollout.timeout_s=20" in line and "the checkpoint of step 2 stays" in line, line
+    assert "rollout.timeout_s=10" in line and "the checkpoint of step 2 stays" in line, line
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [2, 1]  # nothing of step 3
     assert sorted(_numeric(out)) == [1, 2]
 
     monkeypatch.delenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP")
-    again = launch(out, [*RUN, *save, "rollout.timeout_s=20"])
+    again = launch(out, [*RUN, *save, "rollout.timeout_s=10"])
     text = finish(again)
     assert again.returncode == 0, text[-3000:]
     resumed = _numeric(out)

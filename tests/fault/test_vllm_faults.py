@@ -117,12 +117,12 @@ def test_a_hung_colocated_vllm_engine_stops_the_run_naming_engine_rank_and_step(
     out = str(tmp_path / "hang")
     monkeypatch.setenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP", "2")
     monkeypatch.setenv("RLSTACK_FAULT_RANK", "1")
-    overrides = ["rollout.engine=vllm", "trainer.total_steps=3", "checkpoint.save_every=1", "rollout.timeout_s=15"]
+    overrides = ["rollout.engine=vllm", "trainer.total_steps=3", "checkpoint.save_every=1", "rollout.timeout_s=8"]
     proc = launch(out, overrides)
     text = finish(proc)
     assert proc.returncode == ENGINE_EXIT, text[-3000:]
     line = last_line(text)
     assert line.startswith("error: rollout engine vllm on rank 1 did not finish step 2's generation within "), line
-    assert "rollout.timeout_s=15" in line and "the checkpoint of step 1 stays" in line, line
+    assert "rollout.timeout_s=8" in line and "the checkpoint of step 1 stays" in line, line
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [1]
     assert sorted(_numeric(out)) == [1]
