@@ -57,7 +57,7 @@ demo: install
 	bash launch/ppo.sh yaml_configs/smollm2_arith_cpu.yaml $(DEMO_ARGS)
 
 bench: install
-	$(PY) benchmarks/run.py --config yaml_configs/smollm2_arith_cpu.yaml
+	$(PY) benchmarks/run.py --config yaml_configs/smollm2_arith_cpu.yaml --lora 8
 
 clean:
 	rm -rf outputs .pytest_cache
