@@ -144,3 +144,14 @@ def _tensors(state, prefix=""):
             yield from _tensors(value, f"{prefix}{i}.")
     elif torch.is_tensor(state):
         yield prefix.rstrip("."), state
+
+
+def numeric_by_step(out: str) -> dict[int, dict]:
+    """The run's numeric metrics by step (tests.e2e.runs.NUMERIC_KEYS); a step logged twice fails."""
+    from tests.e2e.runs import NUMERIC_KEYS, read_metrics, train_steps
+
+    rows = {}
+    for row in train_steps(read_metrics(out)):
+        assert row["step"] not in rows, f"step {row['step']} logged twice"
+        rows[row["step"]] = {k: row[k] for k in NUMERIC_KEYS if k in row}
+    return rows

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from rlstack.preemption import ENGINE_EXIT, RESUME_EXIT, STOPPED_FILE
-from tests.e2e.runs import NUMERIC_KEYS, read_metrics, train_steps
+from tests.e2e.runs import read_metrics, train_steps
 from tests.fault.checks import (
     assert_checkpoints_sound,
     finish,
@@ -19,6 +19,7 @@ from tests.fault.checks import (
     launch,
     launch_torchrun,
     metrics_lines,
+    numeric_by_step,
     rank_process,
     wait_for,
 )
@@ -35,15 +36,7 @@ def reference(tmp_path_factory):
     proc = launch(out, RUN)
     text = finish(proc)
     assert proc.returncode == 0, text[-3000:]
-    return _numeric(out)
-
-
-def _numeric(out: str) -> dict[int, dict]:
-    rows = {}
-    for row in train_steps(read_metrics(out)):
-        assert row["step"] not in rows, f"step {row['step']} logged twice"
-        rows[row["step"]] = {k: row[k] for k in NUMERIC_KEYS if k in row}
-    return rows
+    return numeric_by_step(out)
 
 
 def _stop_then_resume(out: str, reference: dict, send, start=launch, status=RESUME_EXIT) -> tuple[int, str]:
@@ -62,14 +55,14 @@ def _stop_then_resume(out: str, reference: dict, send, start=launch, status=RESU
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [step]  # save_every=1000: the stop's
     assert f"after step {step} of {STEPS}: checkpoint saved to" in text, text[-3000:]
     assert "stopped to be resumed" in text and "exit 75" in text
-    first = _numeric(out)
+    first = numeric_by_step(out)
     assert sorted(first) == list(range(1, step + 1))
 
     again = launch(out, RUN)
     text2 = finish(again)
     assert again.returncode == 0, text2[-3000:]
     assert f"at step {step}" in text2
-    resumed = _numeric(out)
+    resumed = numeric_by_step(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # every step once
     assert {s: resumed[s] for s in range(step + 1, STEPS + 1)} == {s: reference[s] for s in range(step + 1, STEPS + 1)}
     return step, text
@@ -124,13 +117,13 @@ def test_a_hung_rollout_engine_stops_the_run_and_the_resume_repeats_the_step(tmp
     assert "rollout engine hf on rank " in line and "did not finish step 3's generation" in line, line
     assert "rollout.timeout_s=10" in line and "the checkpoint of step 2 stays" in line, line
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [2, 1]  # nothing of step 3
-    assert sorted(_numeric(out)) == [1, 2]
+    assert sorted(numeric_by_step(out)) == [1, 2]
 
     monkeypatch.delenv("RLSTACK_FAULT_ROLLOUT_HANG_STEP")
     again = launch(out, [*RUN, *save, "rollout.timeout_s=10"])
     text = finish(again)
     assert again.returncode == 0, text[-3000:]
-    resumed = _numeric(out)
+    resumed = numeric_by_step(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert {s: resumed[s] for s in range(3, STEPS + 1)} == {s: reference[s] for s in range(3, STEPS + 1)}
 
@@ -148,7 +141,7 @@ def test_max_wall_minutes_saves_and_stops_in_time(tmp_path):
     step = stopped["step"]
     assert 1 <= step < 200
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [step]
-    assert sorted(_numeric(out)) == list(range(1, step + 1))
+    assert sorted(numeric_by_step(out)) == list(range(1, step + 1))
 
 
 def test_a_killed_rank_restarts_from_the_checkpoint_with_max_restarts(tmp_path):

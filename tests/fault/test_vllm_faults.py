@@ -21,13 +21,13 @@ import pytest
 
 from rlstack.preemption import ENGINE_EXIT, RESUME_EXIT, STOPPED_FILE
 from tests.dist_utils import vllm_available
-from tests.e2e.runs import NUMERIC_KEYS, read_metrics, train_steps
 from tests.fault.checks import (
     assert_checkpoints_sound,
     finish,
     last_line,
     launch,
     metrics_lines,
+    numeric_by_step,
     rank_process,
     wait_for,
 )
@@ -48,14 +48,6 @@ SPLIT = [
 ]
 
 
-def _numeric(out: str) -> dict[int, dict]:
-    rows = {}
-    for row in train_steps(read_metrics(out)):
-        assert row["step"] not in rows, f"step {row['step']} logged twice"
-        rows[row["step"]] = {k: row[k] for k in NUMERIC_KEYS if k in row}
-    return rows
-
-
 def _exit_codes(out: str) -> dict[int, int]:
     """Each rank's exit status, from torchrun's failure summary in launch/ppo.sh's launcher.log."""
     text = open(os.path.join(out, "torchrun_logs", "node0", "launcher.log")).read()
@@ -70,7 +62,7 @@ def test_a_killed_vllm_engine_and_a_stop_signal_on_the_rollout_rank_resume_exact
     proc = launch(ref, SPLIT)
     text = finish(proc)
     assert proc.returncode == 0, text[-3000:]
-    reference = _numeric(ref)
+    reference = numeric_by_step(ref)
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     # 1. the engine's process killed in step 2
@@ -85,7 +77,7 @@ def test_a_killed_vllm_engine_and_a_stop_signal_on_the_rollout_rank_resume_exact
     assert "killed by SIGKILL) during step 2's " in line and "nothing of step 2 is saved" in line, line
     assert "a resumed run repeats step 2" in line, line
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [1]
-    assert sorted(_numeric(out)) == [1]
+    assert sorted(numeric_by_step(out)) == [1]
 
     # 2. resumed; SIGUSR1 to the rollout-only rank alone
     monkeypatch.delenv("RLSTACK_FAULT_VLLM_KILL_STEP")
@@ -102,13 +94,13 @@ def test_a_killed_vllm_engine_and_a_stop_signal_on_the_rollout_rank_resume_exact
     assert 3 <= step < STEPS and stopped["reason"] == "SIGUSR1 on rollout rank 1", stopped
     assert _exit_codes(out) == {0: RESUME_EXIT, 1: RESUME_EXIT}  # every rank: stopped to be resumed
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints"))[0] == step
-    assert sorted(_numeric(out)) == list(range(1, step + 1))
+    assert sorted(numeric_by_step(out)) == list(range(1, step + 1))
 
     # 3. resumed to the end
     proc = launch(out, SPLIT)
     text = finish(proc)
     assert proc.returncode == 0, text[-3000:]
-    resumed = _numeric(out)
+    resumed = numeric_by_step(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # every step once
     assert {s: resumed[s] for s in range(2, STEPS + 1)} == {s: reference[s] for s in range(2, STEPS + 1)}
 
@@ -125,4 +117,4 @@ def test_a_hung_colocated_vllm_engine_stops_the_run_naming_engine_rank_and_step(
     assert line.startswith("error: rollout engine vllm on rank 1 did not finish step 2's generation within "), line
     assert "rollout.timeout_s=8" in line and "the checkpoint of step 1 stays" in line, line
     assert assert_checkpoints_sound(os.path.join(out, "checkpoints")) == [1]
-    assert sorted(_numeric(out)) == [1]
+    assert sorted(numeric_by_step(out)) == [1]
