@@ -1,5 +1,6 @@
 """Every translation the from_verl tests make is checked: when no key is UNSUPPORTED, the emitted
-file must load and pass the config checks `--validate-only` runs (in-process, no model or data)."""
+file must load and pass the config checks `--validate-only` runs (in-process, no model or data).
+`world_of_one`: a one-rank gloo process group for unit tests of code that calls collectives."""
 
 import pytest
 
@@ -38,3 +39,19 @@ def _validate_from_verl_translations(request):
     for t in made:
         if not t.unsupported:
             validate_translation(t, tmp_path)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A one-rank gloo process group (torch.distributed's WORLD), destroyed after the test."""
+    import torch.distributed as dist
+
+    from tests.dist_utils import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("gloo", world_size=1, rank=0)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

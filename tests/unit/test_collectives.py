@@ -159,21 +159,6 @@ def test_gloo_stays_gloo_without_cuda(monkeypatch):
     assert parallel.process_group_backend("gloo") == "gloo"
 
 
-@pytest.fixture()
-def world_of_one(monkeypatch):
-    import torch.distributed as dist
-
-    from tests.dist_utils import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    dist.init_process_group("gloo", world_size=1, rank=0)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_helpers_on_a_gloo_group(world_of_one):
     from rlstack import collectives
 

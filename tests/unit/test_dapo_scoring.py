@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlstack import stages
 from rlstack.algorithms import compute_advantages, place_at_last_token
@@ -36,19 +35,6 @@ class _Tokenizer:
 class _Groups:
     def __init__(self, group):
         self.dp, self.device = group, torch.device("cpu")
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    from tests.dist_utils import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    dist.init_process_group("gloo", world_size=1, rank=0)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _batch(lengths):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch.distributed as dist
 
 from rlstack import stages
 from rlstack.algorithms import compute_advantages, place_at_last_token
@@ -16,19 +15,6 @@ from rlstack.rollout.interface import Generation
 from rlstack.step import StepBatch
 from rlstack.step.remax import RemaxBaselineSource
 from rlstack.step.scoring import Scores
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    from tests.dist_utils import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    dist.init_process_group("gloo", world_size=1, rank=0)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 class _Scoring:
