@@ -1,6 +1,7 @@
 """Every translation the from_verl tests make is checked: when no key is UNSUPPORTED, the emitted
 file must load and pass the config checks `--validate-only` runs (in-process, no model or data).
-`world_of_one`: a one-rank gloo process group for unit tests of code that calls collectives."""
+`world_of_one`: a one-rank gloo process group for unit tests of code that calls collectives.
+`model_dir` / `tok`: the tiny tied Llama checkpoint and its tokenizer (a module may define its own)."""
 
 import pytest
 
@@ -55,3 +56,17 @@ def world_of_one(monkeypatch):
     dist.init_process_group("gloo", world_size=1, rank=0)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_cache):
+    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(TinySpec(arch="llama", tie_word_embeddings=True), cache_dir=tiny_cache)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

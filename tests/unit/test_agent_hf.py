@@ -14,20 +14,6 @@ from rlstack.rollout.base import SamplingParams
 from rlstack.rollout.hf_engine import HFEngine
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_cache):
-    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(TinySpec(arch="llama", tie_word_embeddings=True), cache_dir=tiny_cache)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def _engine(model_dir, eos, seed=0):
     cfg = SimpleNamespace(micro_batch_size=32, pack_weights=True)
     return HFEngine(model_dir, cfg, "cpu", eos_token_id=eos, pad_token_id=0, seed=seed)

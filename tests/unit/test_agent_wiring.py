@@ -38,20 +38,6 @@ LOOP = textwrap.dedent(
 GROUPS = SimpleNamespace(rank=0, dp_rank=0, dims=SimpleNamespace(world_size=1, dp=1), world=None, dp=None)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_cache):
-    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(TinySpec(arch="llama", tie_word_embeddings=True), cache_dir=tiny_cache)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def _prompts(tok):
     from rlstack.agent.render import apply_template
 

@@ -5,7 +5,6 @@ tokens too old are masked out of the loss; the in-flight queue resumes exactly f
 import json
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from rlstack.config import RolloutConfig
@@ -17,13 +16,6 @@ from rlstack.rollout.partial import PartialQueue, chunk_tokens, interrupted_shar
 PROMPTS = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65]]
 CFG = RolloutConfig(n=2, max_new_tokens=6, staleness=2, partial=True, partial_chunk_tokens=2, micro_batch_size=32)
 ONE_REPLICA = SimpleNamespace(dims=SimpleNamespace(world_size=1), rank=0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_cache):
-    from megatron_bridge.tiny import TinySpec, ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(TinySpec(arch="llama", tie_word_embeddings=True), cache_dir=tiny_cache)
 
 
 def _engine(model_dir):
