@@ -127,6 +127,10 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # characters of a tool response the policy sees; longer ones are cut
     tool_response_truncate_side: str = "middle"  # left (keep the end) | right (keep the start) | middle (both ends)
     tool_timeout_s: float = 30.0  # a tool call running longer answers with a timeout error; 0: no limit
+    # hf engine: each trajectory's KV cache is kept between its turns (up to this many MB for all of a
+    # rank's trajectories; over it, the rest re-prefill their whole context next turn), so a turn
+    # prefills only the ids inserted since the last one. 0: off. vLLM: its own prefix caching.
+    kv_cache_mb: int = 2048
 
 
 @dataclass

@@ -17,6 +17,7 @@ which keeps resume exact. The tools of one turn run concurrently across all traj
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -117,8 +118,9 @@ class AgentRollout:
 
     Keeps one event loop for the run (tools may hold loop-bound resources between steps)."""
 
-    def __init__(self, engine, tokenizer, loops, max_response_tokens: int, renderer=None):
+    def __init__(self, engine, tokenizer, loops, max_response_tokens: int, renderer=None, kv_cache_mb: int = 2048):
         self.engine = engine
+        self.kv_cache_bytes = kv_cache_mb << 20  # rollout.multi_turn.kv_cache_mb
         self.tokenizer = tokenizer
         self.loops = loops  # rlstack.agent.registry.LoopSet
         self.max_response_tokens = max_response_tokens
@@ -133,7 +135,8 @@ class AgentRollout:
         sampling = dataclasses.replace(params, n=1)
         batcher = EngineBatcher(self.engine, sampling)
         start = time.perf_counter()
-        samples = self._loop.run_until_complete(self._run_all(items, batcher, sampling))
+        with self._keep_turn_kv():
+            samples = self._loop.run_until_complete(self._run_all(items, batcher, sampling))
         seconds = time.perf_counter() - start
         self.last_stats = {
             "agent/engine_calls": len(batcher.rows_per_call),
@@ -142,6 +145,12 @@ class AgentRollout:
             "agent/engine_share": batcher.engine_seconds / seconds if seconds > 0 else 0.0,
         }
         return samples
+
+    def _keep_turn_kv(self):
+        """The engine keeps each trajectory's KV between its turns for this rollout (hf engine:
+        `HFEngine.keep_turn_kv`); an engine without it (vLLM: its own prefix caching) re-prefills."""
+        keep = getattr(self.engine, "keep_turn_kv", None)
+        return keep(self.kv_cache_bytes) if keep is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """End the run's event loop (the engine is the caller's)."""

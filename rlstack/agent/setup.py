@@ -66,4 +66,4 @@ def build_agent_rollout(rollout_cfg, engine, tokenizer, eos_token_id: int) -> Ag
     tools = load_tools(mt.tool_config_path, mt.function_tool_path)
     loops = LoopSet(rollout_cfg.agent_loop, mt, tools)
     renderer = TurnRenderer(tokenizer, eos_token_id, [t.schema for t in tools])
-    return AgentRollout(engine, tokenizer, loops, rollout_cfg.max_new_tokens, renderer)
+    return AgentRollout(engine, tokenizer, loops, rollout_cfg.max_new_tokens, renderer, mt.kv_cache_mb)

@@ -141,6 +141,74 @@ def _reserved_cache(config, capacity: int):
     return cache
 
 
+def _reservable(config) -> bool:
+    """Every layer of the model's cache reserves its room (`ReservedLayer`: full attention). The turn
+    cache places kept KV into each layer; a sliding-window layer keeps only its window."""
+    return all(hasattr(layer, "capacity") for layer in _reserved_cache(config, 1).layers)
+
+
+@dataclass
+class _KeptKV:
+    length: int  # tokens it covers
+    layers: list  # per layer (keys, values), each [G, length, D]
+    nbytes: int
+
+
+class TurnKV:
+    """The KV of the rows generate() made, kept between an agent's turns (`HFEngine.keep_turn_kv`) and
+    found by content: a prompt that starts with a kept row's ids (and has more) reuses its KV. Rows go
+    in while room is left under `budget_bytes` (the rest re-prefill next turn: slower, never wrong);
+    a row found leaves the cache, its continuation coming back in its place."""
+
+    _MOD = (1 << 61) - 1  # a polynomial hash of each prefix, one pass over a prompt
+    _BASE = 1_000_003
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.used = 0
+        self.entries: dict[tuple[int, int], tuple[list[int], _KeptKV]] = {}  # (length, hash) -> (ids, KV)
+        self.lengths: dict[int, int] = {}  # length -> entries of that length
+
+    @classmethod
+    def _prefix_hashes(cls, ids: list[int]) -> Iterator[tuple[int, int]]:
+        h = 0
+        for n, tok in enumerate(ids, 1):
+            h = (h * cls._BASE + tok + 1) % cls._MOD
+            yield n, h
+
+    def put(self, ids: list[int], layers: list) -> bool:
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if not ids or self.used + nbytes > self.budget:
+            return False
+        *_, (n, h) = self._prefix_hashes(ids)
+        if (n, h) in self.entries:  # the same ids twice (greedy samples of one prompt): one is enough
+            return False
+        self.entries[(n, h)] = (list(ids), _KeptKV(n, layers, nbytes))
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+        self.used += nbytes
+        return True
+
+    def take(self, prompts: list[list[int]]) -> list[Optional[_KeptKV]]:
+        """Each prompt's longest kept prefix leaving it at least one token to prefill, or None. The ones
+        found leave the cache (held by the caller until their rows are prefilled)."""
+        found: list[Optional[tuple[int, int]]] = []
+        for p in prompts:
+            best = None
+            if self.lengths:
+                for n, h in self._prefix_hashes(p[:-1]):
+                    if n in self.lengths and (n, h) in self.entries and self.entries[(n, h)][0] == p[:n]:
+                        best = (n, h)
+            found.append(best)
+        kept = [self.entries[key][1] if key is not None else None for key in found]
+        for key in set(filter(None, found)):
+            _, kv = self.entries.pop(key)
+            self.used -= kv.nbytes
+            self.lengths[key[0]] -= 1
+            if not self.lengths[key[0]]:
+                del self.lengths[key[0]]
+        return kept
+
+
 def _packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # x [..., k] -> [..., n]
 
@@ -235,6 +303,8 @@ class _Counters:
     packed_bytes: int = 0  # the largest oneDNN weight copy held during a generate() (rollout.pack_weights)
     decode_steps: int = 0  # forwards of one token a row, after each batch's prefill
     decode_rows: int = 0  # rows those forwards carried, summed: live ones and stopped ones kept
+    prefill_tokens: int = 0  # context tokens the prefills computed (pads left out)
+    reused_tokens: int = 0  # context tokens whose KV came from the turn cache instead (agent turns)
 
 
 class HFEngine(RolloutEngine):
@@ -256,6 +326,8 @@ class HFEngine(RolloutEngine):
         self._seed_offset: Optional[int] = None
         self._generator: Optional[torch.Generator] = None
         self._counters = _Counters()
+        self._turn_kv: Optional[TurnKV] = None  # inside keep_turn_kv(): the trajectories' KV between turns
+        self._held_pack: Optional[dict] = None  # inside keep_turn_kv(): the packed weights of all its calls
 
     # ------------------------------------------------------------------ weights
 
@@ -313,6 +385,28 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
+    @contextlib.contextmanager
+    def keep_turn_kv(self, budget_bytes: int) -> Iterator[None]:
+        """Inside the block, every row generate() makes keeps its KV (context + response but its last
+        token) in a `TurnKV` of at most `budget_bytes`, and a later prompt that starts with a kept row's
+        ids prefills only the rest: an agent's next turn (rlstack.agent.driver) prefills the tool's ids
+        and not its whole history again. All of it is freed at the end of the block (one rollout: the
+        weights do not change inside it)."""
+        if budget_bytes <= 0 or not _reservable(self.model.config):
+            yield
+            return
+        self._turn_kv = TurnKV(budget_bytes)
+        # The oneDNN weight copies too are made once for all the turns, not at every call (~0.1 s each
+        # on SmolLM2, 2 cores: a third of what a 16-row turn's prefill of 17 new tokens a row takes).
+        pack = getattr(self.cfg, "pack_weights", True)
+        try:
+            with _packed_linears(self.model, max(1, self.cfg.micro_batch_size), pack) as packed:
+                self._held_pack = packed
+                yield
+        finally:
+            self._turn_kv = None
+            self._held_pack = None
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]] = None
     ) -> list[Generation]:
@@ -337,7 +431,15 @@ class HFEngine(RolloutEngine):
         order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]))
         results: list[Optional[Generation]] = [None] * len(rows)
         mbs = max(1, self.cfg.micro_batch_size)
-        with _packed_linears(self.model, min(mbs, len(rows)), getattr(self.cfg, "pack_weights", True)) as packed:
+        # Agent turns: each row's kept KV (a prefix of its prompt), taken out of the cache now (its
+        # continuation replaces it); None where nothing kept matches.
+        kept = self._turn_kv.take([p for _, p in rows]) if self._turn_kv is not None else [None] * len(rows)
+        packing = (
+            _packed_linears(self.model, min(mbs, len(rows)), getattr(self.cfg, "pack_weights", True))
+            if self._held_pack is None
+            else contextlib.nullcontext(self._held_pack)  # inside keep_turn_kv: made once for all turns
+        )
+        with packing as packed:
             nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
             self._counters.packed_bytes = max(self._counters.packed_bytes, nbytes)
             # Decode steps on the packed weights without transformers' per-module overhead (lean_decode.py).
@@ -345,7 +447,8 @@ class HFEngine(RolloutEngine):
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
                 chunk_caps = [caps[rows[r][0]] for r in chunk]
-                batch = self._generate_batch([rows[r] for r in chunk], params, generator, lean, chunk_caps)
+                chunk_kept = [kept[r] for r in chunk]
+                batch = self._generate_batch([rows[r] for r in chunk], params, generator, lean, chunk_caps, chunk_kept)
                 for r, gen in zip(chunk, batch):
                     results[r] = gen
         self._counters.seconds += time.perf_counter() - start
@@ -368,10 +471,75 @@ class HFEngine(RolloutEngine):
         generator: torch.Generator,
         lean: Optional[LeanDecoder] = None,
         caps: Optional[list[int]] = None,  # [B] each row's max_new_tokens (agent turns); None: params'
+        kept: Optional[list[Optional[_KeptKV]]] = None,  # [B] each row's kept KV (keep_turn_kv), or None
     ) -> list[Generation]:
         batch = len(rows)
         row_caps = torch.tensor(caps or [params.max_new_tokens] * batch, dtype=torch.long)  # [B]
         max_steps = int(row_caps.max())
+        if kept is not None and any(k is not None for k in kept):
+            cache, logits, mask, positions = self._prefill_kept(rows, kept, max_steps)
+        else:
+            cache, logits, mask, positions = self._prefill(rows, max_steps)
+        context_mask, context_len = mask, mask.shape[1]  # [B, L]: the rows' context slots in the cache
+        tokens = torch.empty((batch, max_steps), dtype=torch.long)  # [B, N] on the host
+        logprobs = torch.empty((batch, max_steps), dtype=torch.float32)
+        lengths = row_caps.clone()  # response length per row
+        stopped = torch.zeros(batch, dtype=torch.bool)  # at eos
+        done = torch.zeros(batch, dtype=torch.bool)  # at eos or at the row's cap
+        active = torch.arange(batch)  # original row of each live batch row
+        next_pos = positions[:, -1] + 1  # [b]
+        turn_kv = self._turn_kv
+
+        def keep_kv(at: torch.Tensor) -> None:  # batch rows `at` are done: their KV into the turn cache
+            for j in at.tolist():
+                b = int(active[j])
+                fed = int(lengths[b]) - 1  # response tokens fed to the model (the last one never is)
+                slots = torch.cat([context_mask[b].nonzero().squeeze(-1), torch.arange(context_len, context_len + fed)])
+                ids = rows[b][1] + tokens[b, :fed].tolist()
+                turn_kv.put(ids, [(layer._k[j, :, slots], layer._v[j, :, slots]) for layer in cache.layers])
+
+        for step in range(max_steps):
+            tok, lp = sample_next(logits, params, generator)  # [b], [b]
+            tokens[active, step], logprobs[active, step] = tok.cpu(), lp.float().cpu()
+            newly = (tok == self.eos_token_id).cpu() & ~done[active]  # [b]
+            lengths[active[newly]] = step + 1
+            stopped[active[newly]] = True
+            done[active[(row_caps[active] == step + 1) | newly]] = True
+            if step == max_steps - 1 or bool(done.all()):
+                break
+            keep = ~done[active]  # [b]; finished rows still in the batch decode on, unread
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [b, L+step+1]
+            if (~keep).float().mean() >= _COMPACT_FINISHED_SHARE:
+                idx = self._rows_to_keep(keep)
+                if len(idx) < len(keep):
+                    if turn_kv is not None:
+                        dropped = torch.ones(len(keep), dtype=torch.bool)
+                        dropped[idx] = False
+                        keep_kv(dropped.nonzero().squeeze(-1))
+                    cache.batch_select_indices(idx.to(self.device))
+                    tok, mask, next_pos, active = tok[idx], mask[idx], next_pos[idx], active[idx]
+            if lean is not None:
+                logits = lean.step(tok, next_pos, mask, cache)  # [b, V]
+            else:
+                logits = self.model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=next_pos.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1]  # [b, V]
+            next_pos = next_pos + 1
+            self._counters.decode_steps += 1
+            self._counters.decode_rows += len(tok)
+        if turn_kv is not None:
+            keep_kv(torch.arange(len(active)))
+        return [
+            self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b])) for b in range(batch)
+        ]
+
+    def _prefill(self, rows: list[tuple[int, list[int]]], max_steps: int):
+        """Prefill each row's prompt -> (cache, last logits [B, V], mask [B, L], position ids [B, L'])."""
+        batch = len(rows)
         # Prefill each distinct prompt once and copy its KV cache to its n sample rows: the n samples of
         # a prompt share every prefill FLOP (with ~75-token prompts and ~25-token answers, prefill was
         # most of the rollout when each sample ran its own).
@@ -395,49 +563,49 @@ class HFEngine(RolloutEngine):
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]  # [U, V]
+        self._counters.prefill_tokens += shared + int(suffix_mask.sum())
         if len(unique) < batch:
             expand = row_of.to(self.device)
             cache.batch_select_indices(expand)  # [U, ...] -> [B, ...]
             logits, mask, positions = logits[expand], mask[expand], positions[expand]
-        tokens = torch.empty((batch, max_steps), dtype=torch.long)  # [B, N] on the host
-        logprobs = torch.empty((batch, max_steps), dtype=torch.float32)
-        lengths = row_caps.clone()  # response length per row
-        stopped = torch.zeros(batch, dtype=torch.bool)  # at eos
-        done = torch.zeros(batch, dtype=torch.bool)  # at eos or at the row's cap
-        active = torch.arange(batch)  # original row of each live batch row
-        next_pos = positions[:, -1] + 1  # [b]
-        for step in range(max_steps):
-            tok, lp = sample_next(logits, params, generator)  # [b], [b]
-            tokens[active, step], logprobs[active, step] = tok.cpu(), lp.float().cpu()
-            newly = (tok == self.eos_token_id).cpu() & ~done[active]  # [b]
-            lengths[active[newly]] = step + 1
-            stopped[active[newly]] = True
-            done[active[(row_caps[active] == step + 1) | newly]] = True
-            if step == max_steps - 1 or bool(done.all()):
-                break
-            keep = ~done[active]  # [b]; finished rows still in the batch decode on, unread
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [b, L+step+1]
-            if (~keep).float().mean() >= _COMPACT_FINISHED_SHARE:
-                idx = self._rows_to_keep(keep)
-                if len(idx) < len(keep):
-                    cache.batch_select_indices(idx.to(self.device))
-                    tok, mask, next_pos, active = tok[idx], mask[idx], next_pos[idx], active[idx]
-            if lean is not None:
-                logits = lean.step(tok, next_pos, mask, cache)  # [b, V]
-            else:
-                logits = self.model(
-                    input_ids=tok.unsqueeze(-1),
-                    attention_mask=mask,
-                    position_ids=next_pos.unsqueeze(-1),
-                    past_key_values=cache,
-                    use_cache=True,
-                ).logits[:, -1]  # [b, V]
-            next_pos = next_pos + 1
-            self._counters.decode_steps += 1
-            self._counters.decode_rows += len(tok)
-        return [
-            self._row_result(rows[b], tokens[b], logprobs[b], int(lengths[b]), bool(stopped[b])) for b in range(batch)
-        ]
+        return cache, logits, mask, positions
+
+    def _prefill_kept(self, rows: list[tuple[int, list[int]]], kept: list[Optional[_KeptKV]], max_steps: int):
+        """`_prefill` for rows some of which have kept KV: the cache starts with each row's kept KV
+        (right-aligned in K slots, zeros and mask 0 before it), then each row's rest, left-padded:
+        [0.. | kept | 0.. | rest]; position ids count the mask's ones, so each row runs 0, 1, 2, ...
+        over its own tokens as if it had been prefilled whole."""
+        batch = len(rows)
+        known = [k.length if k is not None else 0 for k in kept]
+        width = max(known)  # K
+        input_ids, suffix_mask = self._left_pad([p[n:] for (_, p), n in zip(rows, known)])  # [B, S]
+        kept_mask = torch.zeros((batch, width), dtype=suffix_mask.dtype, device=suffix_mask.device)
+        for b, n in enumerate(known):
+            kept_mask[b, width - n :] = 1
+        mask = torch.cat([kept_mask, suffix_mask], dim=1)  # [B, K + S]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width:]  # [B, S]
+        cache = _reserved_cache(self.model.config, mask.shape[1] + max_steps)
+        for li, layer in enumerate(cache.layers):
+            k0, v0 = next(k.layers[li] for k in kept if k is not None)  # [G, n, D]
+            shape = (batch, k0.shape[0], layer.capacity, k0.shape[2])
+            layer._k, layer._v = k0.new_zeros(shape), v0.new_zeros(shape)  # zeros: masked slots stay finite
+            for b, k in enumerate(kept):
+                if k is not None:
+                    layer._k[b, :, width - k.length : width] = k.layers[li][0]
+                    layer._v[b, :, width - k.length : width] = k.layers[li][1]
+            layer.dtype, layer.device, layer.is_initialized, layer.length = k0.dtype, k0.device, True, width
+            layer._views()
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]  # [B, V]
+        self._counters.prefill_tokens += int(suffix_mask.sum())
+        self._counters.reused_tokens += sum(known)
+        return cache, logits, mask, positions
 
     @staticmethod
     def _rows_to_keep(keep: torch.Tensor) -> torch.Tensor:
@@ -490,6 +658,8 @@ class HFEngine(RolloutEngine):
             "rollout/seconds": c.seconds,
             "rollout/tokens_per_s": c.tokens / c.seconds if c.seconds > 0 else 0.0,
             "rollout/packed_weight_bytes": c.packed_bytes,
+            "rollout/prefill_tokens": c.prefill_tokens,
+            "rollout/kv_reused_tokens": c.reused_tokens,
             **self._decode_metrics(c),
         }
 

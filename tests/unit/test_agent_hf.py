@@ -68,6 +68,7 @@ def test_a_two_turn_loop_trains_on_exactly_the_ids_and_log_probs_the_model_gener
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=60, seed=5)
     samples = rollout.generate(prompts, [{}] * 3, params)
     assert calls == [6, 6]  # two turns, each one batched call over the six trajectories
+    assert engine.metrics()["rollout/kv_reused_tokens"] > 0  # the second turn ran on the first's KV
     model = engine.model
     for s in samples:
         first = s.extra["first"]
