@@ -13,11 +13,14 @@ Both rollouts sample the same random prompts on one engine (eos ignored: every t
   inserts --tool-ids ids (mask 0), which the next turn prefills.
 tokens/s = policy tokens / the rollout call's wall time. `ratio` = multi / single; `engine_ratio`
 the same on the seconds inside the engine only (what the multi-turn path costs the engine: one call
-per turn, re-prefilling each context); `cpu_ratio` the same on this process's CPU seconds (all
-threads; less sensitive to other processes loading the machine, blind to the tool waits); `tool_share` = the union of the tool waits / the multi-turn
-wall time; `prefill_ratio` = context tokens the multi-turn rollout prefills (every turn's whole
-context: no KV cache is kept across engine calls) / the single-turn one's (the prompts), the
-engine work it adds whatever the machine's load. Repetitions alternate the two (load drift on a shared machine hits both); medians.
+per turn, each prefilling the ids inserted since the last; the hf engine keeps each trajectory's KV
+between its turns, rollout.multi_turn.kv_cache_mb); `cpu_ratio` the same on this process's CPU
+seconds (all threads; less sensitive to other processes loading the machine, blind to the tool
+waits); `tool_share` = the union of the tool waits / the multi-turn wall time; `prefill_ratio` =
+context tokens the multi-turn rollout prefills (the hf engine's count; vLLM: every turn's whole
+context, before its prefix cache) / the single-turn one's (the prompts): the engine work it adds
+whatever the machine's load. Repetitions alternate the two (load drift on a shared machine hits
+both); medians.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
 
 def tool_loop(turns: int, turn_tokens: int, tool_ids: list[int], tool_s: float, waits: list, contexts: list):
     """An AgentLoop: `turns` policy turns of `turn_tokens`, a tool call between each two; each
-    turn's context length goes to `contexts` (what the engine prefills: no KV cache across calls)."""
+    turn's context length goes to `contexts` (what the engine is sent)."""
     from rlstack.agent import AgentLoop, Transcript
 
     class ToolTurns(AgentLoop):
@@ -114,8 +117,12 @@ def measure(opts, hf_dir: str, groups) -> dict:
     rows = [{"agent_name": "tools"}] * opts.batch
     params = SamplingParams(max_new_tokens=policy_per_row)
     engine.generate(prompts, params)  # warm-up of both paths at full size (first-call kernels, allocator)
+    engine.metrics()  # resets the engine's counters
     driver.generate(prompts, rows, params)
-    prefill_ratio = sum(contexts) / (opts.batch * opts.prompt_len)  # context tokens prefilled, multi / single
+    prefilled = engine.metrics().get("rollout/prefill_tokens")
+    # tokens prefilled, multi / single: the engine's count (hf: the turn cache's reuse left out), else
+    # the turns' whole contexts (what vLLM is sent; its prefix cache may skip some)
+    prefill_ratio = (prefilled if prefilled is not None else sum(contexts)) / (opts.batch * opts.prompt_len)
 
     tokens = opts.batch * policy_per_row
     runs = []

