@@ -22,5 +22,7 @@ def test_multi_and_single_turn_make_the_same_policy_tokens_on_the_tiny_model(tin
     assert out["engine_calls"] == 3 and out["rows_per_engine_call"] == 4  # one batched engine call a turn
     waited = 2 * 0.05  # two tool turns, the trajectories' calls concurrent
     assert waited * 0.9 <= out["tool_share"] * out["policy_tokens"] / out["multi_tok_s"] < 2 * waited
-    assert out["prefill_ratio"] == (5 + 10 + 15) / 5  # contexts 5, 5+2+3, 5+2*(2+3) tokens
+    # the prompt, then each later turn only the last answer's final token and the 3 inserted ids: the
+    # rest of the context is the KV the engine kept (whole contexts would be 5 + 10 + 15 tokens)
+    assert out["prefill_ratio"] == (5 + 2 * (1 + 3)) / 5
     assert out["ratio"] > 0 and out["ratio"] == out["runs"][0]["ratio"]
