@@ -73,7 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="both sides in bf16 mixed precision (rlstack model.dtype=bfloat16, TRL bf16): results as "
         "<config>-bf16-<date>, ceilings in bf16, the README tables (fp32 comparison rows) left as they are",
     )
-    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer,stages,ceilings,agent (both rows),agent_long,trl")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma list of parts to skip: trainer,stages,ceilings,agent (both rows),agent_long,trl",
+    )
     p.add_argument(
         "--reuse",
         default="",
