@@ -175,9 +175,10 @@ def agent_rows(a: Optional[dict]) -> list[str]:
     if "ratio" not in a:
         return [_row(name, "skipped", a.get("skipped", a.get("error", "")), "", "")]
     runs = a["runs"]
+    prompt = f" after {a['prompt_len']}-token prompts" if "prompt_len" in a else ""
     shape = (
-        f"{a['batch']} rows x {a['turns']} turns x {a['turn_tokens']} tokens, {a['turns'] - 1} tool calls "
-        f"of {a['tool_s']:g} s inserting {a['tool_ids']} ids, {a['engine']} engine"
+        f"{a['batch']} rows x {a['turns']} turns x {a['turn_tokens']} tokens{prompt}, {a['turns'] - 1} tool "
+        f"calls of {a['tool_s']:g} s inserting {a['tool_ids']} ids, {a['engine']} engine"
     )
     met = "yes" if a["ratio"] >= AGENT_GOAL else "no"
     return [

@@ -40,7 +40,7 @@ def test_the_agent_row_is_in_the_table_with_its_goal():
     results = _results()
     results["agent"] = copy.deepcopy(AGENT)
     text = report.render_markdown(results, analysis.derive(results))
-    assert "multi-turn / single-turn, same policy tokens (micro-bench): 32 rows x 4 turns x 16 tokens" in text
+    assert "multi-turn / single-turn, same policy tokens (micro-bench): 32 rows x 4 turns x 16 tokens, 3 tool" in text
     assert "| 90.0% | 85.0%–95.0% (n=2) | single-turn 1 ktok/s; goal >= 80.0% | goal met: yes |" in text
     assert "| &nbsp;&nbsp;share of the multi-turn rollout's time waiting on tools | 4.0% | 3.0%–5.0% (n=2) |" in text
     assert "one engine call a turn; tokens prefilled: 7x the single-turn's) | 95.0% | 90.0%–100.0% (n=2) |" in text
@@ -53,7 +53,8 @@ def test_the_agent_row_is_in_the_table_with_its_goal():
     del results["agent"]
     assert "multi-turn / single-turn" not in report.render_markdown(results, analysis.derive(results))
     # the second agent row (agent_long: 64-token turns) renders beside it with its own shape and goal
-    results["agent_long"] = dict(copy.deepcopy(AGENT), turn_tokens=64, ratio=0.6)
+    results["agent_long"] = dict(copy.deepcopy(AGENT), turn_tokens=64, ratio=0.6, prompt_len=64)
     text = report.render_markdown(results, analysis.derive(results))
-    assert "32 rows x 4 turns x 64 tokens, 3 tool calls of 0.02 s inserting 16 ids, hf engine | 60.0% |" in text
+    shape = "32 rows x 4 turns x 64 tokens after 64-token prompts, 3 tool calls of 0.02 s inserting 16 ids"
+    assert f"{shape}, hf engine | 60.0% |" in text
     assert "goal met: no" in text
