@@ -7,7 +7,9 @@ request carries its own cap (what is left of its budget, or less); the engines t
 prompt (`max_new_tokens=[...]`), so a turn is one call whatever the caps. Identical contexts (the
 n samples of a prompt at their first turn) go to the engine once with `n`, as the single-turn
 rollout does: the engine prefills them once, and `single_turn` through this driver samples exactly
-what `engine.generate(prompts, params)` samples.
+what `engine.generate(prompts, params)` samples. For the rollout's length the hf engine keeps each
+trajectory's KV between its turns (`HFEngine.keep_turn_kv`, rollout.multi_turn.kv_cache_mb): a turn
+prefills only the ids inserted since the last one.
 
 Why wait for every live trajectory instead of flushing on a timer: the batches, and so the
 samples, are then a function of the step alone (the trajectories' order, not the tools' timing),
