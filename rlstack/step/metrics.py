@@ -25,6 +25,8 @@ ENGINE_METRICS = (
     "rollout/decode_steps",
     "rollout/decode_rows_mean",
     "rollout/decode_live_share",
+    "rollout/prefill_tokens",
+    "rollout/kv_reused_tokens",
 )
 # Step metrics that must stay finite; a non-finite one stops the run (or, for gradient norms
 # with trainer.on_nonfinite=skip, the update was skipped and the run goes on).
