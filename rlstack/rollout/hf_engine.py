@@ -451,6 +451,7 @@ class HFEngine(RolloutEngine):
                 batch = self._generate_batch([rows[r] for r in chunk], params, generator, lean, chunk_caps, chunk_kept)
                 for r, gen in zip(chunk, batch):
                     results[r] = gen
+                    kept[r] = None  # its KV is in this batch's cache now (and freed with it)
         self._counters.seconds += time.perf_counter() - start
         self._counters.sequences += len(rows)
         self._counters.tokens += sum(len(g.response_ids) for g in results)
