@@ -495,7 +495,8 @@ class HFEngine(RolloutEngine):
             for j in at.tolist():
                 b = int(active[j])
                 fed = int(lengths[b]) - 1  # response tokens fed to the model (the last one never is)
-                slots = torch.cat([context_mask[b].nonzero().squeeze(-1), torch.arange(context_len, context_len + fed)])
+                fed_slots = torch.arange(context_len, context_len + fed, device=context_mask.device)
+                slots = torch.cat([context_mask[b].nonzero().squeeze(-1), fed_slots])
                 ids = rows[b][1] + tokens[b, :fed].tolist()
                 turn_kv.put(ids, [(layer._k[j, :, slots], layer._v[j, :, slots]) for layer in cache.layers])
 
