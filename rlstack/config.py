@@ -880,6 +880,7 @@ _RANGES = (
     ("rollout.multi_turn.max_parallel_calls", lambda v: v >= 1, "at least 1"),
     ("rollout.multi_turn.max_tool_response_length", lambda v: v >= 1, "at least 1 (characters)"),
     ("rollout.multi_turn.tool_timeout_s", lambda v: v >= 0, ">= 0 (0: no limit)"),
+    ("rollout.multi_turn.kv_cache_mb", lambda v: v >= 0, ">= 0 (MB; 0: every turn prefills its whole context)"),
 )
 
 

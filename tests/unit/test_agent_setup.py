@@ -215,6 +215,7 @@ def test_config_keys():
         ("rollout.multi_turn.tool_response_truncate_side=top", "choose one of 'left', 'right', 'middle'"),
         ("rollout.multi_turn.max_parallel_calls=0", "at least 1"),
         ("rollout.multi_turn.tool_timeout_s=-1", ">= 0"),
+        ("rollout.multi_turn.kv_cache_mb=-1", ">= 0 (MB"),
         ("rollout.multi_turn.format=json", "'hermes'"),
     ):
         with pytest.raises(ConfigError) as e:
