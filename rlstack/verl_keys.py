@@ -228,6 +228,10 @@ IGNORED_PREFIXES: dict[str, str] = {
     "critic.model.tokenizer_path": "the critic uses the actor's tokenizer",
     ROLLOUT + "load_format": "weights are synced in place by megatron_bridge",
     ROLLOUT + "enable_chunked_prefill": "vLLM scheduling detail",
+    ROLLOUT + "enable_prefix_caching": (
+        "always on: vLLM's own prefix cache (32-token KV blocks on CPU); the hf engine keeps agent turns' KV "
+        "(rollout.multi_turn.kv_cache_mb)"
+    ),
     ROLLOUT + "prompt_length": "set from data.max_prompt_length",
     ROLLOUT + "mode": "rlstack's rollout is colocated and synchronous",
     ROLLOUT + "dtype": "set by model.dtype",
