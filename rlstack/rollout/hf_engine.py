@@ -557,14 +557,7 @@ class HFEngine(RolloutEngine):
             prefix = torch.tensor([unique[0][:shared]], dtype=torch.long, device=self.device)  # [1, shared]
             self.model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache.batch_select_indices(torch.zeros(len(unique), dtype=torch.long, device=self.device))
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]  # [U, V]
+        logits = self._prefill_logits(input_ids, mask, positions, cache)  # [U, V]
         self._counters.prefill_tokens += shared + int(suffix_mask.sum())
         if len(unique) < batch:
             expand = row_of.to(self.device)
@@ -597,17 +590,21 @@ class HFEngine(RolloutEngine):
                     layer._v[b, :, width - k.length : width] = k.layers[li][1]
             layer.dtype, layer.device, layer.is_initialized, layer.length = k0.dtype, k0.device, True, width
             layer._views()
-        logits = self.model(
+        logits = self._prefill_logits(input_ids, mask, positions, cache)  # [B, V]
+        self._counters.prefill_tokens += int(suffix_mask.sum())
+        self._counters.reused_tokens += sum(known)
+        return cache, logits, mask, positions
+
+    def _prefill_logits(self, input_ids, mask, positions, cache) -> torch.Tensor:
+        """Prefill input_ids [b, S] into `cache` -> the last position's logits [b, V] (logits_to_keep=1)."""
+        return self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-        ).logits[:, -1]  # [B, V]
-        self._counters.prefill_tokens += int(suffix_mask.sum())
-        self._counters.reused_tokens += sum(known)
-        return cache, logits, mask, positions
+        ).logits[:, -1]
 
     @staticmethod
     def _rows_to_keep(keep: torch.Tensor) -> torch.Tensor:
