@@ -299,6 +299,11 @@ def run_ceilings(args, setup: dict, stages: dict, env: dict) -> dict:
         return json.load(f)
 
 
+def preload_allocator(env: dict, setup: dict) -> None:
+    """The trainer's host allocator (tcmalloc) preloaded in a benchmark process's `env`."""
+    env["LD_PRELOAD"] = f"{setup['host_allocator_lib']} {env.get('LD_PRELOAD', '')}".strip()
+
+
 AGENT_TURNS = 4  # policy turns of the agent row's trajectories (3 tool calls between them)
 # The second agent row's tokens a turn (agent_long): an agent's turn of a few sentences, with the same
 # 16-id tool responses; the first row's short turns (the config's response split in 4) make the
@@ -318,7 +323,7 @@ def run_agent(args, setup: dict, env: dict, turn_tokens: int = 0, part: str = "a
     threads = setup["nproc"] * setup["threads_per_rank"]
     agent_env = {**env, "OMP_NUM_THREADS": str(threads)}
     if setup.get("host_allocator_lib"):  # the trainer's host allocator (its ranks run the rollout on it)
-        agent_env["LD_PRELOAD"] = f"{setup['host_allocator_lib']} {env.get('LD_PRELOAD', '')}".strip()
+        preload_allocator(agent_env, setup)
     cmd = [
         sys.executable,
         os.path.join(ROOT, "benchmarks", "agent.py"),
@@ -413,7 +418,7 @@ def run_trl(args, setup: dict, cfg, name: str = "", beta: float = 0.0) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(setup["nproc"] * setup["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
     allocator = "glibc"
     if args.trl_allocator == "same" and setup.get("host_allocator_lib"):  # the same allocator on both sides
-        env["LD_PRELOAD"] = f"{setup['host_allocator_lib']} {env.get('LD_PRELOAD', '')}".strip()
+        preload_allocator(env, setup)
         allocator = setup["host_allocator"]
     r = run_sampled(
         cmd,

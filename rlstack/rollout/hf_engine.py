@@ -492,6 +492,8 @@ class HFEngine(RolloutEngine):
         turn_kv = self._turn_kv
 
         def keep_kv(at: torch.Tensor) -> None:  # batch rows `at` are done: their KV into the turn cache
+            if turn_kv.used >= turn_kv.budget:  # full: no row would go in, so gather none
+                return
             for j in at.tolist():
                 b = int(active[j])
                 fed = int(lengths[b]) - 1  # response tokens fed to the model (the last one never is)
