@@ -301,8 +301,17 @@ def _profile_line(m: dict) -> str:
     )
 
 
+# The console's validation line (lean logs): the scores and the agent's turn count; every other val/*
+# metric (an agent loop's ~40 val/agent/* ones) goes to the trackers (metrics.jsonl) only.
+_VAL_CONSOLE_AGENT = ("val/agent/num_turns/mean",)
+
+
 def _fmt(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+    shown = {k: v for k, v in metrics.items() if not k.startswith("val/agent/") or k in _VAL_CONSOLE_AGENT}
+    text = " ".join(f"{k}={v:.4f}" for k, v in sorted(shown.items()))
+    if len(shown) < len(metrics):
+        text += f" (+{len(metrics) - len(shown)} more logged)"
+    return text
 
 
 def _set_threads(threads_per_rank: int) -> None:

@@ -286,3 +286,20 @@ def test_the_prompt_dataset_renders_the_tools_and_keeps_agent_name(tok, tmp_path
     assert tok.decode(with_tools[0].input_ids).startswith("<|im_start|>system\n# Tools")
     assert [p.agent_name for p in with_tools] == ["", "tool_agent"]
     assert with_tools[0].messages == plain[0].messages  # the chat itself (a reward model re-templates it)
+
+
+def test_validation_console_line_stays_lean():
+    """The console's validation line (rlstack/loop.py) shows the scores and the turn count; the agent's
+    other val/agent/* metrics go to the trackers only (lean logs: no line over 120 columns)."""
+    from rlstack.loop import _fmt
+
+    samples = [
+        _sample([1, 1, 0, 0, 1, 1], 4, "stop", {"timeout": 1, "malformed": 1}, calls=1),
+        _sample([1, 0, 1], 2, "length", calls=2),
+    ]
+    metrics = {"val/accuracy": 0.5, **agent_metrics(samples, prefix="val/agent/")}
+    assert len(" ".join(f"{k}={v:.4f}" for k, v in metrics.items())) > 120  # what the line printed before
+    line = "12:00:00 validation before training: " + _fmt(metrics)
+    assert line.endswith(f"val/accuracy=0.5000 val/agent/num_turns/mean=3.0000 (+{len(metrics) - 2} more logged)")
+    assert len(line) <= 120, line
+    assert _fmt({"val/accuracy": 1.0}) == "val/accuracy=1.0000"  # a single-turn run's line is unchanged
