@@ -69,23 +69,46 @@ def _time_calls(fn, device) -> float:
     return min(blocks)
 
 
-def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device) -> dict:
-    """FLOP/s over the shapes, weighted by count: sum(2*m*k*n*count) / sum(seconds*count)."""
+def _onednn_applies(dtype, device) -> bool:
+    import torch
+
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(x, w):
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # the trainer's (cpu_matmul.linear)
+
+
+def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device, kernel: str = "linear") -> dict:
+    """FLOP/s over the shapes, weighted by count: sum(2*m*k*n*count) / sum(seconds*count). kernel:
+    "linear" (F.linear: torch's MKL on CPU) or "onednn" (megatron_bridge/patches/cpu_matmul.py's kernel,
+    the weights as they are: the trainer's weights change every step)."""
     import torch
     import torch.nn.functional as F
 
+    fn = _onednn_linear if kernel == "onednn" else F.linear
     flops = seconds = 0.0
     per_shape = []
     for m, k, n, count in shapes:
         x = torch.randn(m, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear's layout: x @ w.T
-        t = _time_calls(lambda x=x, w=w: F.linear(x, w), device)
+        t = _time_calls(lambda x=x, w=w: fn(x, w), device)
         f = 2.0 * m * k * n
         per_shape.append({"m": m, "k": k, "n": n, "count": count, "flops_per_s": f / t})
         flops += f * count
         seconds += t * count
         del x, w
-    return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape}
+    return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape, "kernel": kernel}
+
+
+def train_rate(shapes, dtype, device) -> dict:
+    """The fastest kernel's FLOP/s at the training shapes (the training ceiling), and each kernel's."""
+    kernels = ["linear"] + (["onednn"] if _onednn_applies(dtype, device) else [])
+    rates = {k: matmul_rate(shapes, dtype, device, k) for k in kernels}
+    best = max(rates.values(), key=lambda r: r["flops_per_s"])
+    return {**best, "by_kernel": {k: r["flops_per_s"] for k, r in rates.items()}}
 
 
 def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device, kernel: str = "linear") -> dict:
@@ -127,11 +150,8 @@ def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device, k
 
 def decode_rate(shapes, dtype, device) -> dict:
     """The fastest streamed decode pass over the kernels available here (the decode ceiling), and each one."""
-    import torch
 
-    kernels = ["linear"]
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        kernels.append("onednn")
+    kernels = ["linear"] + (["onednn"] if _onednn_applies(dtype, device) else [])
     passes = {k: streamed_pass_rate(shapes, dtype, device, k) for k in kernels}
     best = max(passes.values(), key=lambda r: r["flops_per_s"])
     return {**best, "by_kernel": {k: r["flops_per_s"] for k, r in passes.items()}}
@@ -171,7 +191,7 @@ def measure(
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     device = torch.device(device_name)
     return {
-        "train": matmul_rate(model_shapes(dims, train_rows, tp, pp), dtype, device),
+        "train": train_rate(model_shapes(dims, train_rows, tp, pp), dtype, device),
         "decode": decode_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
         "decode_hot": matmul_rate(model_shapes(dims, decode_rows, tp, pp), dtype, device),
         "memcpy_bytes_per_s": memcpy_rate(memcpy_mib * 2**20, device),
@@ -221,6 +241,11 @@ def combine(results: list[dict], procs: int, threads: int) -> dict:
     out["memcpy_bytes_per_s_total"] = per * procs
     if all("read_bytes_per_s" in r for r in results):
         out["read_bytes_per_s"] = statistics.median(r["read_bytes_per_s"] for r in results)
+    if all("by_kernel" in r["train"] for r in results):
+        out["train_kernel"] = results[0]["train"]["kernel"]
+        out["train_by_kernel"] = {
+            k: statistics.median(r["train"]["by_kernel"][k] for r in results) for k in results[0]["train"]["by_kernel"]
+        }
     if all("weight_bytes" in r["decode"] for r in results):  # the streamed pass: what one decode step reads
         out["decode_weight_bytes"] = results[0]["decode"]["weight_bytes"]
         out["decode_kernel"] = results[0]["decode"]["kernel"]

@@ -403,10 +403,15 @@ def ceilings_table(results: dict) -> list[str]:
         _row("ceiling", per, tot),
         _row("---", "---", "---"),
         _row(
-            "matmul at training shapes",
+            "matmul at training shapes"
+            + (f" (fastest kernel: {c['train_kernel']})" if "train_kernel" in c else " (F.linear)"),
             fmt_num(c["train_flops_per_s"], "FLOP/s"),
             fmt_num(c["train_flops_per_s_total"], "FLOP/s"),
         ),
+        *[
+            _row(f"&nbsp;&nbsp;kernel {k}", fmt_num(v, "FLOP/s"), fmt_num(v * c["procs"], "FLOP/s"))
+            for k, v in c.get("train_by_kernel", {}).items()
+        ],
         _row(
             f"decode pass over all weights, streamed (fastest kernel: {c.get('decode_kernel', 'F.linear')})",
             fmt_num(c["decode_flops_per_s"], "FLOP/s"),

@@ -114,11 +114,14 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
         "padded_seq_len": int(batch.tokens.shape[1]),
         "train_rows_per_rank": mbs * int(batch.tokens.shape[1]),
     }
-    role = MegatronRole(hf_dir, g, dtype)
+    # the trainer's reference role (rlstack/build.py): fused output log-probs, packed rows
+    role = MegatronRole(hf_dir, g, dtype, fused_output=cfg.model.fused_output_logprobs)
+    role.remove_padding = cfg.model.remove_padding
     seconds, _ = timed(lambda role=role: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
     out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del role
     critic = Critic(MegatronRole(cfg.model.critic_path or hf_dir, g, dtype, value_head=True), cfg.algorithm)
+    critic.role.remove_padding = cfg.model.remove_padding
     seconds, _ = timed(lambda critic=critic: critic.compute_values(batch, mbs), g, args.reps, args.warmup)
     out["critic_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del critic
@@ -132,6 +135,7 @@ def run(args) -> dict:
 
     from megatron_bridge import patches
     from megatron_bridge.parallel import init_distributed
+    from megatron_bridge.patches import cpu_matmul
     from rlstack.config import load_config
     from rlstack.stages import build_data
 
@@ -141,6 +145,7 @@ def run(args) -> dict:
     torch.set_num_threads(threads)  # before any vLLM engine: its CPU worker freezes the thread count
     p = cfg.parallel
     patches.apply(p.allow_untested_megatron, "parallel.allow_untested_megatron=true")
+    cpu_matmul.set_mode(p.cpu_matmul)  # the trainer's float32 CPU matmul kernel (rlstack/loop.py)
     g = init_distributed(p.tp, p.pp, p.dp, p.backend, _timeout(cfg), seed=cfg.trainer.seed, ep=p.ep)
     data = build_data(cfg, g)  # the trainer's own data setup
     hf_dir, tokenizer, train_set, sampler = data.hf_dir, data.tokenizer, data.train_set, data.sampler

@@ -103,6 +103,10 @@ class ParallelConfig:
     # step 37.5-38.8 s vs glibc's 43.7-48.4 s, peak 3.57 vs 3.21 GiB a rank. Install: apt-get install
     # libtcmalloc-minimal4 (make install tries). docs/memory.md.
     host_allocator: str = "auto"
+    # float32 matmuls of the megatron roles on CPU: auto (oneDNN on x86 CPUs that are not Intel's, where
+    # torch's MKL takes a generic path: AMD EPYC, SmolLM2's shapes, one thread, 248 vs 112 GFLOP/s; MKL on
+    # Intel's) | onednn | torch (MKL). Same maths, last bits differ. megatron_bridge/patches/cpu_matmul.py
+    cpu_matmul: str = "auto"
     # start even when the installed megatron-core is not a version megatron_bridge's patches were
     # written for (megatron_bridge/patches/version.py, now 0.16.1): a warning instead of the error.
     # Untested: a moved call site fails late (docs/megatron_core.md "Version gate").
@@ -436,6 +440,7 @@ CHOICES = {
     "critic.lora.init": ("xavier", "kaiming", "gaussian"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.host_allocator": ("auto", "tcmalloc", "glibc"),
+    "parallel.cpu_matmul": ("auto", "onednn", "torch"),
     "rollout.engine": ("hf", "vllm"),
     "rollout.lora_sync": ("auto", "adapters", "merged"),
     "rollout.multi_turn.format": ("hermes",),

@@ -18,10 +18,12 @@ def run_training(cfg, dry_run: bool = False, profile: bool = False, config_yaml:
 
     from megatron_bridge import patches
     from megatron_bridge.parallel import destroy_distributed
+    from megatron_bridge.patches import cpu_matmul
     from rlstack import host_memory
 
     # the one start-up call that checks megatron-core's version and patches it (megatron_bridge/patches)
     patches.apply(cfg.parallel.allow_untested_megatron, "parallel.allow_untested_megatron=true")
+    cpu_matmul.set_mode(cfg.parallel.cpu_matmul)  # float32 CPU linears: oneDNN or torch's MKL
     _set_threads(cfg.parallel.threads_per_rank)
     host_memory.configure_allocator(cfg.parallel.host_mmap_threshold_kb)
     groups, placement = _init_distributed(cfg)
@@ -138,7 +140,7 @@ def _start(cfg, groups, overwrite, placement=None):
         groups.dims.pp,
         groups.dims.dp,
         groups.dims.world_size,
-        "nccl" if groups.device.type == "cuda" else "gloo",
+        "nccl" if groups.device.type == "cuda" else f"gloo, float32 matmuls on {_cpu_matmul_kernel()}",
     )
     log.info(host_memory.describe_allocator(cfg.parallel.host_allocator, cfg.parallel.host_mmap_threshold_kb))
     trainer = build_trainer(cfg, groups, placement)
@@ -312,6 +314,12 @@ def _fmt(metrics: dict) -> str:
     if len(shown) < len(metrics):
         text += f" (+{len(metrics) - len(shown)} more logged)"
     return text
+
+
+def _cpu_matmul_kernel() -> str:
+    from megatron_bridge.patches import cpu_matmul
+
+    return "oneDNN" if cpu_matmul.onednn_available() else "MKL"
 
 
 def _set_threads(threads_per_rank: int) -> None:

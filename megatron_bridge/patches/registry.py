@@ -292,6 +292,29 @@ PATCHES: tuple[Patch, ...] = (
             _site("models.common.embeddings.rope_utils", "apply_rotary_pos_emb", "_apply_rotary_pos_emb_bshd("),
         ),
     ),
+    Patch(
+        "onednn_linears",
+        "faster CPU kernel",
+        Applies.CPU,
+        _lazy("cpu_matmul", "_patch_onednn_linears"),
+        (
+            f"{MC}tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication",
+            f"{MC}tensor_parallel.layers:LinearWithFrozenWeight",
+        ),
+        (
+            _site(
+                "tensor_parallel.layers",
+                "linear_with_grad_accumulation_and_async_allreduce",
+                "LinearWithGradAccumulationAndAsyncCommunication.apply(*args)",
+            ),
+            _site("tensor_parallel.layers", "linear_with_frozen_weight", "LinearWithFrozenWeight.apply(*args)"),
+            _site(
+                "tensor_parallel.layers",
+                "LinearWithGradAccumulationAndAsyncCommunication.forward",
+                "torch.matmul(total_input, weight.t())",
+            ),
+        ),
+    ),
     # ------------------------------------------------------------------ gloo collectives (gloo_collectives.py)
     Patch(
         "gloo_bucket_collectives",

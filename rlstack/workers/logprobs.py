@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge.patches import cpu_matmul
+
 CHUNK_ELEMS = 4 * 2**20  # fp32 elements of one [chunk, V/tp] temporary (16 MiB)
 
 
@@ -343,10 +345,14 @@ class _FusedOutputLogprob(torch.autograd.Function):
             coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
             coef.div_(temperature)  # d loss / d (hidden @ w.T) [c, real]
             coef_w = coef if weight.dtype == torch.float32 else coef.to(weight.dtype)
-            grad_hidden[lo:hi] = coef_w @ w
-            if weight.dtype == torch.float32:
+            if cpu_matmul.applies(coef_w, w):  # oneDNN: [V, h] temporary added once, still 2x MKL's addmm_
+                grad_hidden[lo:hi] = cpu_matmul.linear(coef_w, w.t())
+                grad_weight[:real].add_(cpu_matmul.linear(coef_w.t(), h_w[lo:hi].t()))
+            elif weight.dtype == torch.float32:
+                grad_hidden[lo:hi] = coef_w @ w
                 grad_weight[:real].addmm_(coef_w.t(), h_w[lo:hi])
             else:
+                grad_hidden[lo:hi] = coef_w @ w
                 grad_weight[:real] += (coef_w.t() @ h_w[lo:hi]).float()
             del log_p, p, coef, coef_w
         grad_w = None if ctx.main_grad is not None else grad_weight.to(weight.dtype)
@@ -373,7 +379,9 @@ def _logits_buffer(rows: int, real: int, like: torch.Tensor) -> torch.Tensor:
 def _chunk_logits(hidden: torch.Tensor, w: torch.Tensor, buf: torch.Tensor, temperature: float) -> torch.Tensor:
     """hidden [c, h] @ w.T [h, real] / T into buf's first c rows, fp32 (the model's dtype for the matmul)."""
     out = buf[: hidden.shape[0]]
-    if w.dtype == torch.float32 and hidden.dtype == torch.float32:
+    if cpu_matmul.applies(hidden, w):  # float32 on oneDNN (megatron_bridge/patches/cpu_matmul.py): a new tensor
+        out = cpu_matmul.linear(hidden, w)
+    elif w.dtype == torch.float32 and hidden.dtype == torch.float32:
         torch.mm(hidden, w.t(), out=out)
     else:
         out.copy_(hidden.to(w.dtype) @ w.t())

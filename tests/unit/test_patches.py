@@ -78,6 +78,7 @@ CPU_ONLY = {
     "eager_swiglu",
     "lean_rmsnorm",
     "lean_rope",
+    "onednn_linears",
     "gloo_bucket_collectives",
 }
 
