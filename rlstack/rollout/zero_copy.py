@@ -31,6 +31,8 @@ class GroupedLinear(nn.Module):
     tensors are views.
     """
 
+    grouped_linear = True  # the hf engine packs it for rollout as it packs nn.Linear (`_packed_linears`)
+
     def __init__(self, weight: nn.Parameter, bias):
         super().__init__()
         self.weight = weight
