@@ -47,6 +47,18 @@ def ensure_bench_venv(path: str, timeout_s: float = 1800) -> tuple[str | None, s
     return python, ""
 
 
+def _cpu_matmul(mode: str) -> str:
+    """ "oneDNN" or "MKL": what the trainer's float32 linears run on under `parallel.cpu_matmul=mode` here."""
+    from megatron_bridge.patches import cpu_matmul
+
+    before = cpu_matmul.mode()
+    cpu_matmul.set_mode(mode)
+    try:
+        return "oneDNN" if cpu_matmul.onednn_available() else "MKL"
+    finally:
+        cpu_matmul.set_mode(before)
+
+
 def describe_setup(args, cfg) -> dict:
     """The run's shape, from the config and the command line (validated as the trainer would)."""
     import torch
@@ -72,6 +84,8 @@ def describe_setup(args, cfg) -> dict:
         # the trainer's host allocator (rlstack/host_memory.py), also given to TRL unless --trl-allocator=glibc
         "host_allocator": allocator,
         "host_allocator_lib": allocator_lib,
+        # the trainer's float32 CPU matmul kernel (parallel.cpu_matmul; megatron_bridge/patches/cpu_matmul.py)
+        "cpu_matmul": _cpu_matmul(cfg.parallel.cpu_matmul) if device == "cpu" else "",
         "tp": dims.tp,
         "rollout_tp": r.tp,
         "pp": dims.pp,

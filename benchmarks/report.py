@@ -300,11 +300,19 @@ def what_each_side_did(results: dict) -> list[str]:
         f"{'on' if trl.get('gradient_checkpointing') else 'off'}), {s['nproc'] * s['threads_per_rank']} CPU threads "
         f"in all (rlstack: {s['nproc']} ranks x {s['threads_per_rank']}{layouts}; TRL: one process x "
         f"{trl.get('threads', '?')}), host allocator {s.get('host_allocator', 'glibc')} "
-        f"(TRL: {trl.get('host_allocator', 'glibc')}). "
+        f"(TRL: {trl.get('host_allocator', 'glibc')}){_matmul_note(s)}. "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
         "transformers' generate()." + _precision_note(s),
         "",
     ]
+
+
+def _matmul_note(setup: dict) -> str:
+    """Which float32 CPU matmul kernel each side ran (torch ships both; rlstack picks, TRL takes torch's)."""
+    kernel = setup.get("cpu_matmul")
+    if not kernel or setup.get("dtype") != "float32":
+        return ""
+    return f", float32 matmuls on {kernel} (parallel.cpu_matmul; TRL: torch's default, MKL)"
 
 
 def _precision_note(setup: dict) -> str:

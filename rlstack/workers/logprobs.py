@@ -345,11 +345,10 @@ class _FusedOutputLogprob(torch.autograd.Function):
             coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
             coef.div_(temperature)  # d loss / d (hidden @ w.T) [c, real]
             coef_w = coef if weight.dtype == torch.float32 else coef.to(weight.dtype)
-            if cpu_matmul.applies(coef_w, w):  # oneDNN: [V, h] temporary added once, still 2x MKL's addmm_
+            if weight.dtype == torch.float32:
+                # oneDNN where it applies (megatron_bridge/patches/cpu_matmul.py); the weight gradient stays an
+                # in-place addmm_: oneDNN's would transpose-copy coef and add a [V, h] temporary (slower in a step)
                 grad_hidden[lo:hi] = cpu_matmul.linear(coef_w, w.t())
-                grad_weight[:real].add_(cpu_matmul.linear(coef_w.t(), h_w[lo:hi].t()))
-            elif weight.dtype == torch.float32:
-                grad_hidden[lo:hi] = coef_w @ w
                 grad_weight[:real].addmm_(coef_w.t(), h_w[lo:hi])
             else:
                 grad_hidden[lo:hi] = coef_w @ w
