@@ -189,9 +189,13 @@ def main(argv=None, parser: Optional[argparse.ArgumentParser] = None, extra_chec
     from megatron_bridge import patches
     from megatron_bridge.hf import check_layout, read_model_args, resolve_model_path
     from megatron_bridge.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megatron_bridge.patches import cpu_matmul
 
     try:  # user mistakes surface before any process group starts: one line naming the fix
         patches.apply()
+        # the conversion is checked, not the kernels: megatron's float32 CPU matmuls on torch's own kernel,
+        # as the HF reference's (oneDNN's rounding, up to ~1.2e-4 on SmolLM2's logits, is not a layout error)
+        cpu_matmul.set_mode("torch")
         hf_dir = resolve_model_path(opts.hf, cache_dir=opts.cache_dir)
         args = read_model_args(hf_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -21,11 +21,13 @@ x86 CPUs that are not Intel's, where MKL is the slow one; torch's MKL on Intel's
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 from typing import Optional
 
 import torch
 
+log = logging.getLogger(__name__)
 MODES = ("auto", "onednn", "torch")
 _mode = "auto"
 
@@ -83,8 +85,11 @@ def applies(*tensors: Optional[torch.Tensor]) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., k] @ w.T (+ bias): w [n, k], any strides (a transposed view included). No autograd:
     call it where gradients are not recorded (an autograd Function's forward / backward, no_grad)."""
-    if applies(x, w, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if applies(x, w, bias) and x.numel() and w.numel():  # oneDNN refuses empty operands (an MoE expert with no tokens)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        except RuntimeError as e:  # a shape or layout oneDNN has no primitive for: torch's kernel, same maths
+            log.debug("oneDNN linear %s x %s refused (%s): torch's kernel instead", tuple(x.shape), tuple(w.shape), e)
     return torch.nn.functional.linear(x, w, bias)
 
 

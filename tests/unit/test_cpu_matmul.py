@@ -93,3 +93,13 @@ def test_bfloat16_keeps_megatron_code(mode):
     assert not cpu_matmul.applies(x, w)
     y = layers.linear_with_frozen_weight(x, w, None, False, False, False, tp_group=object())
     assert torch.equal(y, torch.matmul(x, w.t()))
+
+
+def test_empty_operands_fall_back(mode):
+    """An MoE expert that gets no tokens: oneDNN has no primitive for a zero-size matmul."""
+    mode("onednn")
+    x = torch.zeros(0, 1, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, False, False, tp_group=object())
+    y.backward(torch.zeros(0, 1, 8))
+    assert y.shape == (0, 1, 8) and x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
