@@ -35,9 +35,12 @@ def test_one_step_off_policy_learns(tmp_path):
     for r in rows:
         assert 0 < r["is/weight_mean"] <= r["is/weight_max"] <= 2.0
         if r["rollout/staleness"] == 1.0:  # sampled before the last step: old / rollout is not 1 everywhere
-            assert r["is/weight_max"] > 1.0 + 1e-4, (r["step"], r["is/weight_mean"], r["is/weight_max"])
+            # above the engine-vs-actor noise of the on-policy first step (~1e-6) all along; the policy's
+            # step-to-step change shrinks as it converges (measured 2e-5 by step 30), so no fixed 1e-4 late on
+            assert r["is/weight_max"] > 1.0 + 5e-6, (r["step"], r["is/weight_mean"], r["is/weight_max"])
         assert 0 <= r["is/clipped_frac"] <= 1
         assert r["timing/trainer_wait_rollout"] >= 0 and r["timing/rollout_wait_weights"] >= 0
+    assert all(r["is/weight_max"] > 1.0 + 1e-2 for r in rows[1:11]), [r["is/weight_max"] for r in rows]
 
 
 def test_synchronous_split_is_on_current_weights(tmp_path):
