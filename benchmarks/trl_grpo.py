@@ -123,6 +123,7 @@ def main(argv=None) -> int:
         temperature=args.temperature,
         bf16=args.dtype == "bfloat16",
         fp16=False,
+        use_cpu=not torch.cuda.is_available(),  # transformers refuses bf16 without a GPU unless told it is the CPU
         gradient_checkpointing=args.gradient_checkpointing,  # TRL defaults to True; rlstack's config does not
         model_init_kwargs={"dtype": dtype},
         logging_steps=1,

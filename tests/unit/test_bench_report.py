@@ -460,7 +460,11 @@ def test_bf16_row_is_said_and_kept_out_of_the_readme_tables():
     from benchmarks.run import ROOT, parse_args, updates_readme, with_precision
 
     assert with_precision(parse_args(["--config", "c.yaml", "a.b=1"])) == ["a.b=1"]  # fp32 stays the default
-    assert with_precision(parse_args(["--config", "c.yaml", "--bf16", "a.b=1"])) == ["a.b=1", "model.dtype=bfloat16"]
+    assert with_precision(parse_args(["--config", "c.yaml", "--bf16", "a.b=1"])) == [
+        "a.b=1",
+        "model.dtype=bfloat16",
+        "rollout.verify_sync=0",
+    ]
     with pytest.raises(SystemExit, match="drop the model.dtype override"):
         with_precision(parse_args(["--config", "c.yaml", "--bf16", "model.dtype=float32"]))
     results_dir = os.path.join(ROOT, "benchmarks", "results")
