@@ -170,14 +170,9 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from megatron_bridge.patches.cpu_matmul import cpuinfo
+
+    return cpuinfo("model name") or platform.processor() or "unknown"
 
 
 # The instruction sets that decide a CPU's matmul rate in fp32 and bf16 (AMX: Intel's tile matmuls).

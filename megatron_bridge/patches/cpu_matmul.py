@@ -45,17 +45,22 @@ def mode() -> str:
     return _mode
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("vendor_id", "model name"); "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+    return cpuinfo("vendor_id")
 
 
 def auto_uses_onednn(vendor: str, machine: str) -> bool:
