@@ -103,12 +103,17 @@ def matmul_rate(shapes: list[tuple[int, int, int, int]], dtype, device, kernel: 
     return {"flops_per_s": flops / seconds, "seconds_per_pass": seconds, "shapes": per_shape, "kernel": kernel}
 
 
-def train_rate(shapes, dtype, device) -> dict:
-    """The fastest kernel's FLOP/s at the training shapes (the training ceiling), and each kernel's."""
+def _fastest(rate, shapes, dtype, device) -> dict:
+    """`rate`'s result for the fastest kernel available here, with every kernel's FLOP/s (`by_kernel`)."""
     kernels = ["linear"] + (["onednn"] if _onednn_applies(dtype, device) else [])
-    rates = {k: matmul_rate(shapes, dtype, device, k) for k in kernels}
+    rates = {k: rate(shapes, dtype, device, k) for k in kernels}
     best = max(rates.values(), key=lambda r: r["flops_per_s"])
     return {**best, "by_kernel": {k: r["flops_per_s"] for k, r in rates.items()}}
+
+
+def train_rate(shapes, dtype, device) -> dict:
+    """The fastest kernel's FLOP/s at the training shapes (the training ceiling), and each kernel's."""
+    return _fastest(matmul_rate, shapes, dtype, device)
 
 
 def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device, kernel: str = "linear") -> dict:
@@ -150,11 +155,7 @@ def streamed_pass_rate(shapes: list[tuple[int, int, int, int]], dtype, device, k
 
 def decode_rate(shapes, dtype, device) -> dict:
     """The fastest streamed decode pass over the kernels available here (the decode ceiling), and each one."""
-
-    kernels = ["linear"] + (["onednn"] if _onednn_applies(dtype, device) else [])
-    passes = {k: streamed_pass_rate(shapes, dtype, device, k) for k in kernels}
-    best = max(passes.values(), key=lambda r: r["flops_per_s"])
-    return {**best, "by_kernel": {k: r["flops_per_s"] for k, r in passes.items()}}
+    return _fastest(streamed_pass_rate, shapes, dtype, device)
 
 
 def read_rate(nbytes: int, device) -> float:
