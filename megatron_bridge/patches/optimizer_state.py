@@ -25,6 +25,42 @@ def allocate_distributed_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def allocate_adam_state(optimizer) -> int:
+    """Give torch Adam(W) its per-parameter state now, as its first `step()` would: zeros, step 0.
+
+    torch allocates `exp_avg` / `exp_avg_sq` lazily inside the first `step()`, after that step's
+    activations were freed, so the second step's activations need that much memory anew (SmolLM2, dp 2:
+    538 MB a rank). On the VMs of docs/benchmarks.md fresh memory costs ~30 us a page (the host backs it
+    anew): ~3 s of the second step. Allocated before the first step, the first step's peak already holds
+    it. The same tensors torch's `Adam._init_group` makes (dtype and device of `step` included), only
+    for parameters without state, so the steps compute the same numbers. Returns the bytes allocated.
+    """
+    import torch
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    allocated = 0
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if len(state) or p.numel() == 0:
+                    continue
+                fused_or_capturable = group["capturable"] or group["fused"]
+                state["step"] = (
+                    torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+                    if fused_or_capturable
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                )
+                keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+                for key in keys:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    allocated += p.numel() * p.element_size()
+    return allocated
+
+
 def unshare_adam_steps(optimizer) -> None:
     """Give every parameter its own Adam `step` tensor again.
 

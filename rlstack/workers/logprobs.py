@@ -279,7 +279,7 @@ class _FusedOutputLogprob(torch.autograd.Function):
         # [4] = sum exp(x - m)^2 (with_sum_sq)
         stats = torch.zeros(5 if with_sum_sq else 4, n, dtype=torch.float32, device=hidden.device)
         stats[0] = float("-inf")
-        buf, ebuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
+        buf, ebuf = _logits_buffer(min(chunk, n), real, hidden, 0, w), _logits_buffer(min(chunk, n), real, hidden, 1)
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
             x = _chunk_logits(hidden[lo:hi], w, buf, temperature)  # [c, real] fp32
@@ -326,7 +326,7 @@ class _FusedOutputLogprob(torch.autograd.Function):
         grad_weight = ctx.main_grad
         if grad_weight is None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        buf, pbuf = _logits_buffer(min(chunk, n), real, hidden), _logits_buffer(min(chunk, n), real, hidden)
+        buf, pbuf = _logits_buffer(min(chunk, n), real, hidden, 0, w), _logits_buffer(min(chunk, n), real, hidden, 1)
         h_w = hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
@@ -370,19 +370,41 @@ def _exp_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, min=_EXP_FLOOR, out=out).exp_()
 
 
-def _logits_buffer(rows: int, real: int, like: torch.Tensor) -> torch.Tensor:
-    """One fp32 [rows, real] buffer that every chunk's logits are written into (no new pages per chunk)."""
-    return torch.empty((rows, real), dtype=torch.float32, device=like.device)
+# CPU: the chunk buffers are kept between calls (two slots, each grown to the largest chunk seen). A fresh
+# [chunk, vocab] buffer per call was fresh memory as often as not: on the VMs of docs/benchmarks.md a page
+# first touched costs ~30 us (the host backs it anew), SmolLM2's 33 MB buffer 0.1-0.4 s then. GPUs keep
+# torch's caching allocator. Safe because no call runs inside another and none returns a view of them.
+_SCRATCH: dict[int, torch.Tensor] = {}
 
 
-def _chunk_logits(hidden: torch.Tensor, w: torch.Tensor, buf: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logits_buffer(
+    rows: int, real: int, like: torch.Tensor, slot: int, weight: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """One fp32 [rows, real] buffer that every chunk's logits are written into (no new pages per chunk);
+    on CPU the same memory at every call (`_SCRATCH[slot]`). None for the logits of `weight` where
+    oneDNN multiplies (`_chunk_logits`: its result is a new tensor)."""
+    if weight is not None and cpu_matmul.applies(like, weight):
+        return None
+    if like.device.type != "cpu":
+        return torch.empty((rows, real), dtype=torch.float32, device=like.device)
+    kept = _SCRATCH.get(slot)
+    if kept is None or kept.numel() < rows * real:
+        _SCRATCH[slot] = kept = None  # the smaller one freed before the larger is made
+        kept = _SCRATCH[slot] = torch.empty(rows * real, dtype=torch.float32)
+    return kept[: rows * real].view(rows, real)
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, w: torch.Tensor, buf: Optional[torch.Tensor], temperature: float
+) -> torch.Tensor:
     """hidden [c, h] @ w.T [h, real] / T into buf's first c rows, fp32 (the model's dtype for the matmul)."""
-    out = buf[: hidden.shape[0]]
-    if cpu_matmul.applies(hidden, w):  # float32 on oneDNN (megatron_bridge/patches/cpu_matmul.py): a new tensor
+    if buf is None:  # float32 on oneDNN (megatron_bridge/patches/cpu_matmul.py): a new tensor
         out = cpu_matmul.linear(hidden, w)
     elif w.dtype == torch.float32 and hidden.dtype == torch.float32:
+        out = buf[: hidden.shape[0]]
         torch.mm(hidden, w.t(), out=out)
     else:
+        out = buf[: hidden.shape[0]]
         out.copy_(hidden.to(w.dtype) @ w.t())
     if temperature != 1.0:
         out.div_(temperature)

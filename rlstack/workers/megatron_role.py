@@ -16,8 +16,10 @@ import torch
 
 from megatron_bridge.models import Recompute
 from megatron_bridge.parallel import ParallelGroups
+from megatron_bridge.patches import optimizer_state
 from rlstack import collectives
 from rlstack.workers.batch import MicroBatches, pack_micro_batches
+from rlstack.workers.embedding_grad import EmbeddingGradIntoMainGrad
 from rlstack.workers.packing import SEQ_LENS, PackedRows
 
 
@@ -158,6 +160,11 @@ class MegatronRole:
         self.fused_output = fused_output and not value_head
         self.value_head = value_head
         self._lm_head = _DeferredLMHead(self.module) if self.fused_output and groups.is_last_stage else None
+        # training: the word embedding's gradient straight into its main_grad (embedding_grad.py)
+        embedding = getattr(getattr(self.module, "embedding", None), "word_embeddings", None)
+        self._embedding_grad = (
+            EmbeddingGradIntoMainGrad(embedding) if embedding is not None and self.optimizer is not None else None
+        )
 
     @property
     def module(self):
@@ -198,7 +205,8 @@ class MegatronRole:
 
         tokens = micro_batches[0]["tokens"]
         deferred = self._lm_head if self._lm_head is not None else _nullcontext()
-        with torch.no_grad() if forward_only else _nullcontext(), deferred:
+        direct = self._embedding_grad if self._embedding_grad is not None and not forward_only else _nullcontext()
+        with torch.no_grad() if forward_only else _nullcontext(), deferred, direct:
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
@@ -385,6 +393,10 @@ def _wrap_for_training(model, config, optim: OptimSettings):
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     _fused_adam_on_cpu(optimizer)
+    if next(model.parameters()).device.type == "cpu":
+        # Adam's state now, not in the first step() (optimizer_state.allocate_adam_state: why). CPU only:
+        # on a GPU the colocated engine's memory budget is set with the state lazily absent (unchanged).
+        optimizer_state.allocate_adam_state(optimizer)
     schedule = LRSchedule(optimizer, optim)  # sets every group's lr for step 0
     return ddp, optimizer, schedule
 
