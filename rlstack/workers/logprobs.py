@@ -387,11 +387,10 @@ def _logits_buffer(
         return None
     if like.device.type != "cpu":
         return torch.empty((rows, real), dtype=torch.float32, device=like.device)
-    kept = _SCRATCH.get(slot)
-    if kept is None or kept.numel() < rows * real:
-        _SCRATCH[slot] = kept = None  # the smaller one freed before the larger is made
-        kept = _SCRATCH[slot] = torch.empty(rows * real, dtype=torch.float32)
-    return kept[: rows * real].view(rows, real)
+    if slot not in _SCRATCH or _SCRATCH[slot].numel() < rows * real:
+        _SCRATCH.pop(slot, None)  # the smaller one freed before the larger is made
+        _SCRATCH[slot] = torch.empty(rows * real, dtype=torch.float32)
+    return _SCRATCH[slot][: rows * real].view(rows, real)
 
 
 def _chunk_logits(
