@@ -6,6 +6,8 @@ site; all are exercised by tests/distributed/test_checkpoint.py (resume into a f
 then a bit-identical next step). They apply on GPUs without TE/Apex too. `patch_torch_adam_step_on_load`
 is registered in `megatron_bridge.patches.registry` (kind "optimizer state") and applied at start-up;
 the other two are steps a checkpointer calls around a load (rlstack/checkpoint.py).
+`allocate_adam_state` is a step a trained role takes when its optimizer is built on CPU
+(rlstack/workers/megatron_role.py; tests/unit/test_adam_state.py).
 """
 
 from __future__ import annotations
