@@ -166,6 +166,31 @@ def test_planner_counts_the_same_chunk():
 # ------------------------------------------------------------------ fused output layer
 
 HIDDEN = 16
+# the fused backward's two kernels: rows over the whole vocab shard (GPUs, torch's CPU matmul) and the
+# transposed vocab slices of float32 on oneDNN, here 8 vocab rows a slice (several slices a shard,
+# targets in each)
+KERNELS = ("row_chunks", "vocab_slices")
+
+
+def _use_kernel(kernel: str) -> None:
+    from megatron_bridge.patches import cpu_matmul
+    from rlstack.workers import logprobs
+
+    cpu_matmul.set_mode("onednn" if kernel == "vocab_slices" else "torch")
+    logprobs._VOCAB_SLICE = 8 if kernel == "vocab_slices" else 4096
+    assert cpu_matmul.onednn_available() == (kernel == "vocab_slices")  # torch built with oneDNN
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    from megatron_bridge.patches import cpu_matmul
+    from rlstack.workers import logprobs
+
+    mode, vocab_slice = cpu_matmul.mode(), logprobs._VOCAB_SLICE
+    _use_kernel(request.param)
+    yield request.param
+    cpu_matmul.set_mode(mode)
+    logprobs._VOCAB_SLICE = vocab_slice
 
 
 def _fused_inputs():
@@ -199,7 +224,7 @@ def _fused_and_unfused(hidden, weight, targets, g_lp, g_ent, group, rank, size, 
 
 
 @pytest.mark.parametrize("with_entropy,temperature,chunk_elems", CASES)
-def test_fused_output_tp1_equals_unfused(with_entropy, temperature, chunk_elems):
+def test_fused_output_tp1_equals_unfused(with_entropy, temperature, chunk_elems, kernel):
     hidden, weight, targets, g_lp, g_ent = _fused_inputs()
     diffs, w_grad = _fused_and_unfused(
         hidden, weight, targets, g_lp, g_ent, None, 0, 1, with_entropy, temperature, chunk_elems
@@ -217,16 +242,22 @@ def _fused_tp2_worker(cases):
     hidden, weight, targets, g_lp, g_ent = _fused_inputs()
     shard = weight[rank * (PADDED // 2) : (rank + 1) * (PADDED // 2)].contiguous()
     g_lp, g_ent = g_lp * (1 + rank), g_ent * (1 - 2 * rank)
-    return [
-        _fused_and_unfused(hidden, shard, targets, g_lp, g_ent, dist.group.WORLD, rank, 2, *case)[0] for case in cases
-    ]
+    results = []
+    for case in cases:
+        diffs = []
+        for kernel in KERNELS:  # each diff the larger of the two kernels'
+            _use_kernel(kernel)
+            got = _fused_and_unfused(hidden, shard, targets, g_lp, g_ent, dist.group.WORLD, rank, 2, *case)[0]
+            diffs = [max(a, b) for a, b in zip(diffs, got)] if diffs else got
+        results.append(diffs)
+    return results
 
 
 def test_fused_output_tp2_equals_unfused():
     _assert_tp2_close(_fused_tp2_worker)
 
 
-def test_fused_output_matches_log_softmax_in_float64():
+def test_fused_output_matches_log_softmax_in_float64(kernel):
     """Values and gradients against torch.log_softmax in float64 (relative 1e-6: fp32's own rounding)."""
     from rlstack.workers.logprobs import fused_output_logprobs
 
@@ -242,7 +273,7 @@ def test_fused_output_matches_log_softmax_in_float64():
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
-def test_exp_floor_changes_nothing_where_exp_underflows(monkeypatch):
+def test_exp_floor_changes_nothing_where_exp_underflows(monkeypatch, kernel):
     """Logits ~100 apart (most exp() underflow; targets far below the row max): raising exp's
     inputs to -87 (a fast path of torch's exp) gives the values and gradients of the plain exp."""
     from rlstack.workers import logprobs
@@ -262,7 +293,7 @@ def test_exp_floor_changes_nothing_where_exp_underflows(monkeypatch):
         assert float((got - want).abs().max() / want.abs().max()) < 1e-7
 
 
-def test_fused_output_adds_weight_gradient_into_main_grad():
+def test_fused_output_adds_weight_gradient_into_main_grad(kernel):
     """With `main_grad` (megatron DDP's grad buffer), backward adds the weight's gradient into it and
     hands autograd none: the buffer gains what `weight.grad` would have been; hidden's gradient and
     the values are unchanged."""
