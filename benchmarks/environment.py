@@ -59,6 +59,13 @@ def _cpu_matmul(mode: str) -> str:
         cpu_matmul.set_mode(before)
 
 
+def _engine_dtype(cfg, device: str) -> str:
+    """The hf engine's dtype as rollout.dtype resolves it on this machine (vLLM: its own)."""
+    from rlstack.rollout.base import hf_engine_dtype
+
+    return str(hf_engine_dtype(cfg.rollout.dtype, cfg.model.dtype, device)).replace("torch.", "")
+
+
 def describe_setup(args, cfg) -> dict:
     """The run's shape, from the config and the command line (validated as the trainer would)."""
     import torch
@@ -100,6 +107,7 @@ def describe_setup(args, cfg) -> dict:
         "micro_batch_size": a.micro_batch_size,
         "ppo_epochs": a.ppo_epochs,
         "dtype": cfg.model.dtype,
+        "engine_dtype": _engine_dtype(cfg, device),
         "reference": a.use_kl_loss or a.use_kl_in_reward,
         "kl_loss_coef": a.kl_loss_coef,
         "distributed_optimizer": cfg.parallel.use_distributed_optimizer,

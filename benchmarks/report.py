@@ -315,15 +315,25 @@ def _matmul_note(setup: dict) -> str:
     return f", float32 matmuls on {kernel} (parallel.cpu_matmul; TRL: torch's default, MKL)"
 
 
+def _engine_note(setup: dict) -> str:
+    """How rlstack's hf engine generates in a bf16 row (rollout.dtype, as resolved on the machine)."""
+    if setup.get("engine_dtype", "float32") == "bfloat16":
+        return (
+            "its hf rollout engine generates in bf16 (rollout.dtype=auto on a CPU with native bf16: its weights "
+            "views of the actor's, 0 bytes synced; attention multiplied in fp32)."
+        )
+    return "its hf rollout engine generates in fp32 on CPU (the weight sync casts)."
+
+
 def _precision_note(setup: dict) -> str:
     """What bf16 means on each side (benchmarks/run.py --bf16); nothing for fp32."""
     if setup.get("dtype", "float32") == "float32":
         return ""
     return (
         f" Precision: {setup['dtype']} mixed precision on both sides. rlstack: megatron's bf16 weights and "
-        "activations, fp32 grads, fp32 main params and Adam moments; its hf rollout engine generates in fp32 on "
-        "CPU (the weight sync casts). TRL: weights loaded in bf16 (`model_init_kwargs`) and `bf16=True` (GRPOConfig's "
-        "default), its AdamW updating the bf16 weights (no fp32 copy)."
+        f"activations, fp32 grads, fp32 main params and Adam moments; {_engine_note(setup)} TRL: weights loaded in "
+        "bf16 (`model_init_kwargs`) and `bf16=True` (GRPOConfig's default), generating in bf16, its AdamW updating "
+        "the bf16 weights (no fp32 copy)."
     )
 
 

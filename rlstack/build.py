@@ -94,7 +94,9 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
         from rlstack.rollout.lora_sync import vllm_lora_rank
 
         lora_rank = vllm_lora_rank(cfg)  # > 0: vLLM starts with its LoRA path (rollout.lora_sync)
-        engine = build_engine(cfg.rollout, data.hf_dir, groups, tok.eos_token_id, tok.pad_token_id, lora_rank)
+        engine = build_engine(
+            cfg.rollout, data.hf_dir, groups, tok.eos_token_id, tok.pad_token_id, lora_rank, cfg.model.dtype
+        )
         weight_sync = WeightSync(
             actor.role.module,
             actor.role.args,

@@ -153,7 +153,11 @@ class RolloutConfig:
     sync_bucket_mb: int = 64  # weight-sync bucket size
     # hf engine, training TP1 x PP1, same dtype: engine weights are views of the actor's (0 bytes synced)
     zero_copy: bool = True
-    # hf engine on CPU (fp32): the linear layers run on oneDNN-reordered copies of their weights during
+    # hf engine's dtype: auto (GPU bfloat16; CPU the actor's model.dtype where the CPU multiplies bf16 natively,
+    # lscpu flag avx512_bf16 or amx_bf16, else float32) | float32 | bfloat16. An engine in the actor's dtype
+    # holds views of its weights (zero_copy); a bf16 engine on CPU decodes ~1.7x faster than fp32 (docs/benchmarks.md)
+    dtype: str = "auto"
+    # hf engine on CPU (fp32 or bf16): the linear layers run on oneDNN-reordered copies of their weights during
     # rollout (decode ~2.6x faster at 16 rows; +1x the linear weights while generating, freed after;
     # metric rollout/packed_weight_bytes). false: F.linear on the weights themselves, nothing extra held.
     pack_weights: bool = True
@@ -442,6 +446,7 @@ CHOICES = {
     "parallel.host_allocator": ("auto", "tcmalloc", "glibc"),
     "parallel.cpu_matmul": ("auto", "onednn", "torch"),
     "rollout.engine": ("hf", "vllm"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
     "rollout.lora_sync": ("auto", "adapters", "merged"),
     "rollout.multi_turn.format": ("hermes",),
     "rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),

@@ -5,12 +5,14 @@ module, which imports them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from rlstack.errors import UserError
 from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams, check_row_caps
 
 if TYPE_CHECKING:  # keep `import rlstack.rollout.base` free of torch
+    import torch
+
     from megatron_bridge.parallel import ParallelGroups
     from rlstack.config import RolloutConfig
 
@@ -26,19 +28,21 @@ def build_engine(
     eos_token_id: int,
     pad_token_id: int,
     lora_rank: int = 0,
+    model_dtype: str = "float32",
 ) -> RolloutEngine:
     """The configured engine on this rank. vLLM construction is collective: every rank calls this.
 
     `eos_token_id` ends a response (and is kept in it); a negative value means no token does (benchmarks).
     `lora_rank` > 0: vLLM starts with its LoRA path on (`rlstack.rollout.lora_sync.vllm_lora_rank`).
+    `model_dtype`: the actor's (model.dtype), which `rollout.dtype=auto` follows on CPUs with native bf16.
     """
     check_rollout(rollout_cfg, groups.dims.world_size)  # (preflight ran it on the run's ranks already)
     if rollout_cfg.engine == "hf":
         from rlstack.rollout.zero_copy import AliasingHFEngine
 
-        return AliasingHFEngine(
-            hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id, seed=rollout_seed(rollout_cfg, groups)
-        )
+        dtype = hf_engine_dtype(getattr(rollout_cfg, "dtype", "auto"), model_dtype, groups.device)
+        seed = rollout_seed(rollout_cfg, groups)
+        return AliasingHFEngine(hf_dir, rollout_cfg, groups.device, eos_token_id, pad_token_id, seed=seed, dtype=dtype)
     from rlstack.rollout.vllm_engine import VLLMEngine
 
     seed = rollout_seed(rollout_cfg, groups)
@@ -71,6 +75,29 @@ def check_rollout(rollout_cfg: RolloutConfig, engine_ranks: int, split: bool = F
         )
     if r.top_k == 0 or r.top_k < -1:  # SamplingParams.validate would stop the first rollout
         raise UserError(f"rollout.top_k={r.top_k}: use -1 (off) or a positive count")
+
+
+def cpu_has_native_bf16(flags: Optional[str] = None) -> bool:
+    """Does this CPU multiply bf16 in hardware (lscpu flag avx512_bf16 or amx_bf16)? Elsewhere oneDNN
+    emulates bf16 matmuls (AVX-512 without them) or torch falls back to slow loops (AVX2 only)."""
+    if flags is None:
+        from megatron_bridge.patches.cpu_matmul import cpuinfo
+
+        flags = cpuinfo("flags")
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def hf_engine_dtype(setting: str, model_dtype: str, device) -> torch.dtype:
+    """The hf engine's dtype for `rollout.dtype` (auto | float32 | bfloat16). auto: bf16 on GPUs (as
+    before); on CPUs the actor's dtype where it is bf16 and the CPU has native bf16 (the engine then
+    holds views of the actor's bf16 weights and decodes on oneDNN's bf16 kernels), else float32."""
+    import torch
+
+    if setting != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if model_dtype == "bfloat16" and cpu_has_native_bf16() else torch.float32
 
 
 def rollout_seed(rollout_cfg: RolloutConfig, groups: ParallelGroups) -> int:

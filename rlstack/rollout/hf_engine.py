@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams, check_row_caps
-from rlstack.rollout.lean_decode import LeanDecoder
+from rlstack.rollout.lean_decode import LeanDecoder, sdpa
 from rlstack.rollout.sampling import sample_next
 
 # Compact the batch (and its KV cache) once this share of its rows has stopped.
@@ -73,16 +73,9 @@ def _sdpa_gqa_attention(
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=causal,
-        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
-    )
+    # bf16 on CPU: in fp32 (lean_decode.sdpa: torch's bf16 CPU kernel is ~6x slower at these shapes)
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    out = sdpa(query, key, value, attention_mask, scaling, causal=causal, gqa=gqa, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
 
 
@@ -215,7 +208,9 @@ def _packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.
 
 def _can_pack(model: torch.nn.Module) -> bool:
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @contextlib.contextmanager
@@ -313,12 +308,22 @@ class _Counters:
 class HFEngine(RolloutEngine):
     target_layout = "hf"  # param_targets(): HF checkpoint names and shapes
 
-    def __init__(self, hf_dir: str, rollout_cfg, device, eos_token_id: int, pad_token_id: int, seed: int = 0):
+    def __init__(
+        self,
+        hf_dir: str,
+        rollout_cfg,
+        device,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int = 0,
+        dtype: Optional[torch.dtype] = None,  # None: float32 on CPU, bfloat16 on GPU (base.hf_engine_dtype)
+    ):
         from transformers import AutoModelForCausalLM
 
         self.cfg = rollout_cfg
         self.device = torch.device(device)
-        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         _register_attention()
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=_ATTENTION)
         self.model = self.model.to(self.device)

@@ -1,11 +1,13 @@
 """bf16 mixed precision end to end on CPU: yaml_configs/tiny_cpu.yaml as PPO with model.dtype=bfloat16.
 
-The actor, critic and reference hold bf16 weights (fp32 main params in the optimizer); the rollout
-engine (transformers, fp32 on CPU) receives them through the weight sync, cast to its dtype.
-- rewards rise and the critic learns, every logged metric finite;
-- engine vs actor log-prob agreement is logged each step and within the bf16 bound;
-- a checkpoint of step 20 resumed in a fresh run repeats steps 21-24 exactly (same machine, layout).
-This CPU may lack native bf16 (it is emulated, slower): the run stays tiny.
+The actor, critic and reference hold bf16 weights (fp32 main params in the optimizer).
+- With an fp32 engine (`rollout.dtype=float32`, what `auto` picks on CPUs without native bf16) the
+  weights reach it through the weight sync, cast: rewards rise and the critic learns, every logged
+  metric finite; engine vs actor log-prob agreement is logged each step and within the bf16 bound;
+  a checkpoint of step 20 resumed in a fresh run repeats steps 21-24 exactly (same machine, layout).
+- With a bf16 engine (`rollout.dtype=bfloat16`, `auto` on CPUs with avx512_bf16 / amx_bf16) the engine's
+  weights are views of the actor's bf16 ones: 0 bytes synced, and the same agreement bound.
+This CPU may lack native bf16 (it is emulated, slower): the runs stay tiny.
 """
 
 import math
@@ -18,6 +20,7 @@ from tests.e2e.runs import read_metrics, torchrun_train, train_steps
 
 pytestmark = pytest.mark.slow
 BF16 = ["model.dtype=bfloat16", "algorithm.name=ppo", "algorithm.actor_lr=3e-3", "algorithm.critic_lr=3e-3"]
+FP32_ENGINE = ["rollout.dtype=float32"]
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds")
 # One token's worst |engine - actor| log-prob: bf16 logits carry ~3 significant digits, so a logit of
 # magnitude ~10 is off by ~0.04; the mean over tokens (BF16_LOGPROB_ATOL) is far smaller.
@@ -30,7 +33,9 @@ def _mean(rows, key):
 
 def test_bf16_ppo_learns_and_resumes_exactly(tmp_path):
     out = str(tmp_path / "bf16")
-    torchrun_train(out, ["trainer.total_steps=40", "checkpoint.save_every=20", "checkpoint.keep_last=0", *BF16])
+    torchrun_train(
+        out, ["trainer.total_steps=40", "checkpoint.save_every=20", "checkpoint.keep_last=0", *BF16, *FP32_ENGINE]
+    )
     rows = train_steps(read_metrics(out))
     assert [r["step"] for r in rows] == list(range(1, 41))
     bad = [(r["step"], k) for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
@@ -46,7 +51,8 @@ def test_bf16_ppo_learns_and_resumes_exactly(tmp_path):
     step20 = os.path.join(out, "checkpoints", "step_00000020")
     resumed_dir = str(tmp_path / "resumed")
     proc = torchrun_train(
-        resumed_dir, ["trainer.total_steps=24", "checkpoint.save_every=0", f"checkpoint.resume={step20}", *BF16]
+        resumed_dir,
+        ["trainer.total_steps=24", "checkpoint.save_every=0", f"checkpoint.resume={step20}", *BF16, *FP32_ENGINE],
     )
     assert f"resumed from {step20} at step 20" in proc.stdout + proc.stderr
     resumed = {r["step"]: r for r in train_steps(read_metrics(resumed_dir))}
@@ -55,3 +61,16 @@ def test_bf16_ppo_learns_and_resumes_exactly(tmp_path):
         expected = {k: v for k, v in rows[step - 1].items() if not k.startswith(VOLATILE)}
         got = {k: v for k, v in resumed[step].items() if not k.startswith(VOLATILE)}
         assert got == expected, step
+
+
+def test_bf16_engine_holds_views_of_the_actor(tmp_path):
+    out = str(tmp_path / "bf16_engine")
+    torchrun_train(out, ["trainer.total_steps=3", *BF16, "rollout.dtype=bfloat16"])
+    rows = train_steps(read_metrics(out))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync/bytes"] == 0 for r in rows)  # zero copy: the engine reads the actor's bf16 tensors
+    bad = [(r["step"], k) for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
+    assert not bad, bad
+    diffs = [r["actor/rollout_diff"] for r in rows]
+    worst = max(r["actor/rollout_diff_max"] for r in rows)
+    assert max(diffs) < BF16_LOGPROB_ATOL and worst < BF16_LOGPROB_MAX, (max(diffs), worst)

@@ -62,6 +62,24 @@ def test_gqa_attention_and_reserved_cache_equal_transformers_bit_for_bit():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_bf16_attention_in_fp32_matches_transformers_within_bf16_rounding():
+    """bf16 on CPU: the engine's attention multiplies in fp32 (lean_decode.sdpa; torch's bf16 CPU kernel
+    is ~6x slower at decode shapes), transformers' in bf16; both accumulate in fp32, so the logits of a
+    prefill and four decode steps agree to bf16's rounding of the attention outputs."""
+    ref, ours = _models()
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    expected = _decode(ref, DynamicCache(config=ref.config)).float()
+    got = _decode(ours, hf_engine._reserved_cache(ours.config, capacity=7 + 4)).float()
+    assert float((got - expected).abs().max()) <= 1e-2 * float(expected.abs().max())  # AMD EPYC: equal
+    q, k, v = (torch.randn(3, h, 5, 32).to(torch.bfloat16) for h in (6, 2, 2))
+    out = lean_decode.sdpa(q, k, v, None, 0.2, causal=True, gqa=True)
+    assert out.dtype == torch.bfloat16
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), scale=0.2, is_causal=True, enable_gqa=True
+    )
+    assert torch.equal(out, exact.to(torch.bfloat16))
+
+
 def test_reserved_cache_grows_past_its_reserve_and_selects_rows():
     ref, ours = _models()
     expected = _decode(ref, DynamicCache(config=ref.config), steps=6)

@@ -48,9 +48,15 @@ def _model(kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_lean_steps_equal_transformers_forward(kind):
-    model = _model(kind)
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32), ("qwen3", torch.bfloat16)],
+)
+def test_lean_steps_equal_transformers_forward(kind, dtype):
+    """Logits and K/V of five decode steps; bf16 (rollout.dtype, Qwen3's q/k norms and the other norms'
+    casts) on oneDNN's bf16 kernels where torch has them, else on F.linear."""
+    model = _model(kind).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 0.0  # bf16: the same kernels in the same order, exactly
     assert LeanDecoder.supports(model)
     ids = torch.randint(3, 97, (3, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -74,11 +80,11 @@ def test_lean_steps_equal_transformers_forward(kind):
                 past_key_values=caches[0],
             ).logits[:, -1]
             got = lean.step(tok, nxt, mask, caches[1])
-            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
             logits, nxt = [expected, got], nxt + 1
         for a, b in zip(caches[0].layers, caches[1].layers):  # the same K/V written to the cache
-            torch.testing.assert_close(b.keys, a.keys, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(b.values, a.values, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(b.keys, a.keys, rtol=tol, atol=tol)
+            torch.testing.assert_close(b.values, a.values, rtol=tol, atol=tol)
 
 
 def test_other_models_keep_transformers_forward():
