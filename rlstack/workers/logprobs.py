@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron_bridge.patches import cpu_matmul
 
@@ -325,8 +326,10 @@ class _FusedOutputLogprob(torch.autograd.Function):
         if grad_weight is None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         args = (hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature)
-        if weight.dtype == torch.float32 and cpu_matmul.applies(hidden, weight):
-            grad_hidden = _grad_by_vocab_slices(*args, grad_weight[:real], chunk * max(real, 1))
+        if hidden.device.type == "cpu" and weight.dtype == torch.bfloat16:  # torch's bf16 matmuls run on oneDNN
+            grad_hidden = _grad_by_vocab_slices(*args, grad_weight[:real], chunk * max(real, 1), F.linear)
+        elif weight.dtype == torch.float32 and cpu_matmul.applies(hidden, weight):
+            grad_hidden = _grad_by_vocab_slices(*args, grad_weight[:real], chunk * max(real, 1), cpu_matmul.linear)
         else:
             grad_hidden = _grad_by_row_chunks(*args, grad_weight[:real], chunk)
         grad_w = None if ctx.main_grad is not None else grad_weight.to(weight.dtype)
@@ -377,15 +380,30 @@ _VOCAB_SLICE = 4096
 
 
 def _grad_by_vocab_slices(
-    hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature, grad_weight, elems
+    hidden,
+    w,
+    local_t,
+    in_shard,
+    row_max,
+    log_z,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    grad_weight,
+    elems,
+    linear=cpu_matmul.linear,
 ):
-    """`_grad_by_row_chunks` for float32 on oneDNN (megatron_bridge/patches/cpu_matmul.py): the logits
-    transposed, one [vocab slice, rows] block at a time, so that every matmul is one oneDNN runs at
-    full rate without a transposed copy of a [rows, vocab] tensor: logits^T = w_s @ h^T, the weight's
-    gradient w_s += coef^T @ h (the rows are the contraction: 340 of them instead of a 170-row chunk,
-    and no MKL addmm_, which reaches half of oneDNN's rate on AMD CPUs), the hidden states' gradient
-    summed over slices (coef @ w_s). Same maths as the row chunks, summed in another order."""
+    """`_grad_by_row_chunks` for CPUs (float32 on oneDNN, megatron_bridge/patches/cpu_matmul.py; bf16):
+    the logits transposed, one [vocab slice, rows] block at a time, so that every matmul is one oneDNN
+    runs at full rate without a transposed copy of a [rows, vocab] tensor: logits^T = w_s @ h^T, the
+    weight's gradient w_s += coef^T @ h (the rows are the contraction: 340 of them instead of a 170-row
+    chunk, and no MKL addmm_, which reaches half of oneDNN's rate on AMD CPUs; in bf16 no [V, h]
+    product cast to fp32 per chunk), the hidden states' gradient summed over slices (coef @ w_s) in
+    fp32. Same maths as the row chunks, summed in another order. `linear(x, w)` = x @ w.T."""
     n, real = hidden.shape[0], w.shape[0]
+    low = w.dtype != torch.float32  # bf16: logits and products in bf16, softmax maths and sums in fp32
+    h_mm = hidden.to(w.dtype)
     grad_hidden = torch.empty_like(hidden)
     # a block of at most elems / 2: three are alive at once (log_p, p, oneDNN's contiguous coef^T), within
     # the two [chunk, vocab] buffers of the row chunks that the planner counts
@@ -395,7 +413,7 @@ def _grad_by_vocab_slices(
     inv_t = 1.0 / temperature
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        h_blk = hidden[lo:hi]
+        h_blk = h_mm[lo:hi]
         g_lp = grad_logprob[lo:hi] * inv_t
         if entropy is None:  # coef = -p g_lp / T (+ g_lp / T at the target)
             scale, offset = g_lp.neg(), None
@@ -406,7 +424,8 @@ def _grad_by_vocab_slices(
         acc = None
         for v0 in range(0, real, vc):
             v1 = min(real, v0 + vc)
-            log_p = cpu_matmul.linear(w[v0:v1], h_blk)  # [slice, rows]
+            log_p = linear(w[v0:v1], h_blk)  # [slice, rows]
+            log_p = log_p.float() if low else log_p
             if temperature != 1.0:
                 log_p.div_(temperature)
             log_p.sub_(shift[lo:hi])
@@ -418,9 +437,10 @@ def _grad_by_vocab_slices(
                 del p
             cols = (hit & (t_blk >= v0) & (t_blk < v1)).nonzero().squeeze(-1)
             coef[t_blk[cols] - v0, cols] += g_lp[cols]
-            grad_weight[v0:v1].add_(cpu_matmul.linear(coef, h_blk.t()))  # [slice, h]
-            part = cpu_matmul.linear(coef.t(), w[v0:v1].t())  # [rows, h]
-            acc = part if acc is None else acc.add_(part)
+            coef = coef.to(w.dtype) if low else coef
+            grad_weight[v0:v1].add_(linear(coef, h_blk.t()))  # [slice, h], into fp32
+            part = linear(coef.t(), w[v0:v1].t())  # [rows, h]
+            acc = part.float() if acc is None else acc.add_(part)
             del log_p, coef, part
         grad_hidden[lo:hi] = acc if acc is not None else 0.0
     return grad_hidden

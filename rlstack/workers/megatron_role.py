@@ -178,13 +178,17 @@ class MegatronRole:
 
     def output_main_grad(self) -> Optional[torch.Tensor]:
         """The LM head weight's fp32 gradient buffer (megatron DDP's `main_grad`), into which the fused
-        log-prob adds the head's gradient directly: fp32 weights of a trained role only. megatron runs
+        log-prob adds the head's gradient directly: fp32 weights of a trained role, bf16 on CPU (there the fp32
+        gradient lands unrounded, as megatron's fused weight-gradient accumulation does on GPUs; the
+        bf16 [V, h] gradient and its fp32 zeros are not made). megatron runs
         the grad reduce after backward here (`overlap_grad_reduce=False`), so no bucket waits for the
         head's own backward hook; a tied embedding still gets its lookup's gradient through its hook."""
         w = self.output_weight()
         grad = getattr(w, "main_grad", None)
-        if self.optimizer is None or grad is None or w.dtype != torch.float32 or grad.dtype != torch.float32:
+        if self.optimizer is None or grad is None or grad.dtype != torch.float32:
             return None
+        if not (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.device.type == "cpu")):
+            return None  # bf16 on GPUs keeps the head's bf16 gradient and DDP's hook (not run on a GPU yet)
         return grad if grad.shape == w.shape else None
 
     def run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:

@@ -273,6 +273,24 @@ def test_fused_output_matches_log_softmax_in_float64(kernel):
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
+def test_fused_output_in_bf16_within_bf16_rounding(kernel):
+    """bf16 weights and hidden states (CPU: the vocab slices whichever kernel fp32 would take; the row
+    chunks on GPUs): values and gradients against float64 within bf16's rounding."""
+    from rlstack.workers.logprobs import fused_output_logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    h, w = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    lp, ent = fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
+    grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
+    assert grads[0].dtype == grads[1].dtype == torch.bfloat16
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    log_p = torch.log_softmax((h64 @ w64.t())[..., :VOCAB] / 0.7, -1)
+    lp64, ent64 = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+    grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
+    for got, want in zip([lp, ent, *grads], [lp64, ent64, *grads64]):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+
+
 def test_exp_floor_changes_nothing_where_exp_underflows(monkeypatch, kernel):
     """Logits ~100 apart (most exp() underflow; targets far below the row max): raising exp's
     inputs to -87 (a fast path of torch's exp) gives the values and gradients of the plain exp."""

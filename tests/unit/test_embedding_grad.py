@@ -1,5 +1,6 @@
 """The word embedding's gradient added straight into main_grad (rlstack/workers/embedding_grad.py)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,13 +14,15 @@ def _dense_reference(ids, weight, grad_out, main_grad):
     return main_grad.clone().add_(w.grad)
 
 
-def test_lookup_into_main_grad_is_bit_identical_to_the_dense_backward():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lookup_into_main_grad_is_bit_identical_to_the_dense_backward(dtype):
+    """fp32, and bf16 weights with an fp32 buffer (megatron's mixed precision: the rows summed in bf16)."""
     torch.manual_seed(0)
     vocab, hidden = 97, 24
-    weight = torch.randn(vocab, hidden, requires_grad=True)
+    weight = torch.randn(vocab, hidden).to(dtype).requires_grad_(True)
     ids = torch.randint(0, 20, (3, 41))  # many repeats: each used row sums several gradients
     ids[0, :5] = 96
-    grad_out = torch.randn(3, 41, hidden) * 1e-3
+    grad_out = (torch.randn(3, 41, hidden) * 1e-3).to(dtype)
     main_grad = torch.randn(vocab, hidden)  # the LM head (tied) has already added into it
     expected = _dense_reference(ids, weight, grad_out, main_grad)
 
