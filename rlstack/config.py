@@ -58,7 +58,7 @@ class ModelConfig:
     path: str = "default"  # HF directory, `default` (embedded SmolLM2-135M-Instruct) or `tiny`
     critic_path: Optional[str] = None  # critic's starting weights; None: the actor's
     tiny: TinySpec = field(default_factory=TinySpec)  # shape of `model.path: tiny` (random weights)
-    dtype: str = "float32"  # float32 | bfloat16 (bf16 is for GPUs; CPUs run fp32)
+    dtype: str = "float32"  # float32 | bfloat16 (GPUs: bf16; CPUs: bf16 pays where lscpu shows avx512_bf16 / amx_bf16)
     cache_dir: Optional[str] = None  # where `default`/`tiny` checkpoints are provisioned
     gradient_checkpointing: bool = False  # megatron full activation recompute in training
     # megatron's selective recompute instead (recompute_granularity=selective), a list of
