@@ -322,17 +322,20 @@ class _FusedOutputLogprob(torch.autograd.Function):
         w = weight[:real]
         # fp32 accumulation over chunks (a bf16 weight's gradient is rounded once, at the end), into
         # the DDP grad buffer itself when given
-        grad_weight = ctx.main_grad
-        if grad_weight is None:
+        # A frozen head (LoRA's base, the reference): no weight gradient at all (it was a [V, h] fp32 zeros
+        # and a matmul per micro-batch, thrown away: SmolLM2 with LoRA, ~0.2 s of page faults each on these VMs)
+        grad_weight = ctx.main_grad if ctx.needs_input_grad[1] else None
+        if grad_weight is None and ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        args = (hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature)
+        into = grad_weight[:real] if grad_weight is not None else None
+        args = (hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature, into)
         if hidden.device.type == "cpu" and weight.dtype == torch.bfloat16:  # torch's bf16 matmuls run on oneDNN
-            grad_hidden = _grad_by_vocab_slices(*args, grad_weight[:real], chunk * max(real, 1), F.linear)
+            grad_hidden = _grad_by_vocab_slices(*args, chunk * max(real, 1), F.linear)
         elif weight.dtype == torch.float32 and cpu_matmul.applies(hidden, weight):
-            grad_hidden = _grad_by_vocab_slices(*args, grad_weight[:real], chunk * max(real, 1), cpu_matmul.linear)
+            grad_hidden = _grad_by_vocab_slices(*args, chunk * max(real, 1), cpu_matmul.linear)
         else:
-            grad_hidden = _grad_by_row_chunks(*args, grad_weight[:real], chunk)
-        grad_w = None if ctx.main_grad is not None else grad_weight.to(weight.dtype)
+            grad_hidden = _grad_by_row_chunks(*args, chunk)
+        grad_w = None if ctx.main_grad is not None or grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
@@ -340,7 +343,8 @@ def _grad_by_row_chunks(
     hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature, grad_weight, chunk
 ):
     """The backward of `_FusedOutputLogprob` in chunks of rows over the whole vocab shard: grad_hidden
-    returned, the weight's gradient added into grad_weight ([real, h] fp32). GPUs and torch's kernel."""
+    returned, the weight's gradient added into grad_weight ([real, h] fp32; None: a frozen weight). GPUs
+    and torch's kernel."""
     n, real = hidden.shape[0], w.shape[0]
     grad_hidden = torch.zeros_like(hidden)
     buf, pbuf = _logits_buffer(min(chunk, n), real, hidden, 0, w), _logits_buffer(min(chunk, n), real, hidden, 1)
@@ -363,11 +367,13 @@ def _grad_by_row_chunks(
         coef.div_(temperature)  # d loss / d (hidden @ w.T) [c, real]
         if w.dtype == torch.float32:
             grad_hidden[lo:hi] = cpu_matmul.linear(coef, w.t())
-            grad_weight.addmm_(coef.t(), h_w[lo:hi])
+            if grad_weight is not None:
+                grad_weight.addmm_(coef.t(), h_w[lo:hi])
         else:
             coef_w = coef.to(w.dtype)
             grad_hidden[lo:hi] = coef_w @ w
-            grad_weight += (coef_w.t() @ h_w[lo:hi]).float()
+            if grad_weight is not None:
+                grad_weight += (coef_w.t() @ h_w[lo:hi]).float()
         del log_p, p, coef
     return grad_hidden
 
@@ -394,7 +400,8 @@ def _grad_by_vocab_slices(
     elems,
     linear=cpu_matmul.linear,
 ):
-    """`_grad_by_row_chunks` for CPUs (float32 on oneDNN, megatron_bridge/patches/cpu_matmul.py; bf16):
+    """`_grad_by_row_chunks` for CPUs (float32 on oneDNN, megatron_bridge/patches/cpu_matmul.py; bf16;
+    grad_weight None for a frozen weight):
     the logits transposed, one [vocab slice, rows] block at a time, so that every matmul is one oneDNN
     runs at full rate without a transposed copy of a [rows, vocab] tensor: logits^T = w_s @ h^T, the
     weight's gradient w_s += coef^T @ h (the rows are the contraction: 340 of them instead of a 170-row
@@ -438,7 +445,8 @@ def _grad_by_vocab_slices(
             cols = (hit & (t_blk >= v0) & (t_blk < v1)).nonzero().squeeze(-1)
             coef[t_blk[cols] - v0, cols] += g_lp[cols]
             coef = coef.to(w.dtype) if low else coef
-            grad_weight[v0:v1].add_(linear(coef, h_blk.t()))  # [slice, h], into fp32
+            if grad_weight is not None:
+                grad_weight[v0:v1].add_(linear(coef, h_blk.t()))  # [slice, h], into fp32
             part = linear(coef.t(), w[v0:v1].t())  # [rows, h]
             acc = part.float() if acc is None else acc.add_(part)
             del log_p, coef, part

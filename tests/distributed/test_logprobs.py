@@ -273,6 +273,32 @@ def test_fused_output_matches_log_softmax_in_float64(kernel):
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
+def test_fused_output_with_a_frozen_weight_gives_hidden_its_gradient_only(kernel, monkeypatch):
+    """A frozen head (LoRA's base, the reference): hidden's gradient as with a trained weight, none for
+    the weight, and no weight-shaped gradient buffer made."""
+    from rlstack.workers import logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _fused_inputs()
+    grads = {}
+    for frozen in (False, True):
+        made = []
+        real_zeros = torch.zeros
+
+        def zeros(*size, _made=made, **kw):
+            _made.append(tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size)
+            return real_zeros(*size, **kw)
+
+        monkeypatch.setattr(torch, "zeros", zeros)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(not frozen)
+        lp, ent = logprobs.fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        monkeypatch.setattr(torch, "zeros", real_zeros)
+        grads[frozen] = (h.grad, w.grad, tuple(weight.shape) in made)
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert grads[True][1] is None and grads[False][1] is not None
+    assert grads[False][2] and not grads[True][2]  # the [V, h] buffer: only for a trained weight
+
+
 def test_fused_output_in_bf16_within_bf16_rounding(kernel):
     """bf16 weights and hidden states (CPU: the vocab slices whichever kernel fp32 would take; the row
     chunks on GPUs): values and gradients against float64 within bf16's rounding."""

@@ -58,3 +58,22 @@ def test_row_a_split_by_input_columns_b_replicated():
     assert torch.equal(shards[1], full_a[:, 4:])
     assert torch.equal(unshard_a(shards, row), full_a)
     assert torch.equal(shard_b(full_b, row, 1, 2), full_b)
+
+
+def test_adapter_up_gradients_equal_autograd_linear():
+    """`_AdapterUp` (CPU: B's gradient as (h^T g)^T) against autograd's F.linear, 3-D input as megatron's."""
+    from megatron_bridge.lora import _AdapterUp
+
+    gen = torch.Generator().manual_seed(3)
+    h0, b0 = torch.randn(7, 2, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    g = torch.randn(7, 2, 40, generator=gen)
+    out = {}
+    for name in ("ours", "autograd"):
+        h, b = h0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+        y = _AdapterUp.apply(h, b) if name == "ours" else torch.nn.functional.linear(h, b)
+        y.backward(g)
+        out[name] = (y.detach(), h.grad, b.grad)
+    assert torch.equal(out["ours"][0], out["autograd"][0])
+    for got, want in zip(out["ours"][1:], out["autograd"][1:]):
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
