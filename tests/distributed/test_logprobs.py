@@ -257,6 +257,16 @@ def test_fused_output_tp2_equals_unfused():
     _assert_tp2_close(_fused_tp2_worker)
 
 
+def _float64_oracle(hidden, weight, targets, g_lp, g_ent):
+    """[logprob, entropy, d/d hidden, d/d weight] of torch.log_softmax over the real vocab at temperature
+    0.7, in float64 (the upstream gradients g_lp, g_ent)."""
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    log_p = torch.log_softmax((h64 @ w64.t())[..., :VOCAB] / 0.7, -1)
+    lp64, ent64 = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+    grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
+    return [lp64, ent64, *grads64]
+
+
 def test_fused_output_matches_log_softmax_in_float64(kernel):
     """Values and gradients against torch.log_softmax in float64 (relative 1e-6: fp32's own rounding)."""
     from rlstack.workers.logprobs import fused_output_logprobs
@@ -265,11 +275,7 @@ def test_fused_output_matches_log_softmax_in_float64(kernel):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, ent = fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
     grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
-    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    log_p = torch.log_softmax((h64 @ w64.t())[..., :VOCAB] / 0.7, -1)
-    lp64, ent64 = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
-    grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
-    for got, want in zip([lp, ent, *grads], [lp64, ent64, *grads64]):
+    for got, want in zip([lp, ent, *grads], _float64_oracle(hidden, weight, targets, g_lp, g_ent)):
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
@@ -309,11 +315,7 @@ def test_fused_output_in_bf16_within_bf16_rounding(kernel):
     lp, ent = fused_output_logprobs(h, w, targets, VOCAB, None, 0, 1, True, 0.7, chunk_elems=100)
     grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
     assert grads[0].dtype == grads[1].dtype == torch.bfloat16
-    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    log_p = torch.log_softmax((h64 @ w64.t())[..., :VOCAB] / 0.7, -1)
-    lp64, ent64 = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
-    grads64 = torch.autograd.grad((lp64 * g_lp).sum() + (ent64 * g_ent).sum(), (h64, w64))
-    for got, want in zip([lp, ent, *grads], [lp64, ent64, *grads64]):
+    for got, want in zip([lp, ent, *grads], _float64_oracle(h.detach(), w.detach(), targets, g_lp, g_ent)):
         assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
 
 
