@@ -1,11 +1,13 @@
-"""megatron_bridge.patches.gloo_collectives (l): megatron's bucket reduce-scatter and all-gather on gloo, in place.
+"""megatron_bridge.patches.gloo_collectives (l): megatron's bucket reduce-scatter and all-gather on CPU, in place.
 
 megatron's distributed optimizer reduce-scatters each grad bucket into this rank's shard and
 all-gathers the param bucket from every rank's shard, both inside `_coalescing_manager`. On CPU the
 patched functions must give the same shard sums and the same gathered bits as torch's collectives,
-without the full-bucket copy gloo stages for them.
+without the full-bucket copy gloo stages for them: through shared memory where the whole group is
+on this host, through gloo in place where some member cannot map the others' staging.
 """
 
+import os
 import resource
 
 import pytest
@@ -23,16 +25,21 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _bucket_collectives() -> dict:
+def _bucket_collectives(shm_on_every_rank: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed import _coalescing_manager
 
     from megatron_bridge import patches
+    from megatron_bridge.patches import gloo_collectives
 
     dist.init_process_group("gloo")
     patches.apply()
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
+    # 256 KiB pieces: the 4M-element shard moves in 62 chunks, the last one partial
+    gloo_collectives.STAGE_BYTES = 1 << 20
+    if not shm_on_every_rank and dist.get_rank() == 1:
+        gloo_collectives.SHM_DIR = "/nonexistent"  # as a member on another host: nobody may use the staging
     group = dist.new_group(list(range(WORLD)))  # a ProcessGroup, as megatron passes
     rank, size = group.rank(), group.size()
     reduce_scatter, all_gather = buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func
@@ -75,13 +82,24 @@ def _bucket_collectives() -> dict:
     grads2 = torch.ones(size * SHARD)
     reduce_scatter(separate, grads2, op=dist.ReduceOp.SUM, group=group)
     out["fallback_sum"] = bool((separate == size).all())
+    out["host_staging"] = gloo_collectives.host_staging(group) is not None
+    # a second round through the same staging (the slots alternate across calls)
+    grads3 = torch.full((size * SHARD,), float(rank + 1))
+    with _coalescing_manager(group, async_ops=False):
+        reduce_scatter(grads3.view(size, -1)[rank], grads3, op=dist.ReduceOp.SUM, group=group, async_op=False)
+    out["second_sum"] = bool((grads3.view(size, -1)[rank] == size * (size + 1) / 2).all())
+    dist.barrier()
+    out["left_in_shm"] = [n for n in os.listdir("/dev/shm") if n.startswith("rlstack-buckets-")]
     dist.destroy_process_group()
     return out
 
 
-def test_bucket_collectives_in_place_equal_torchs():
-    for rank, r in enumerate(run_distributed(_bucket_collectives, WORLD)):
+@pytest.mark.parametrize("shm_on_every_rank", [True, False], ids=["shared-memory", "gloo"])
+def test_bucket_collectives_in_place_equal_torchs(shm_on_every_rank):
+    for rank, r in enumerate(run_distributed(_bucket_collectives, WORLD, shm_on_every_rank)):
         assert r["patched"], rank
+        assert r["host_staging"] == shm_on_every_rank, (rank, r)  # all members agree on the path
+        assert r["second_sum"] and r["left_in_shm"] == [], (rank, r)
         assert r["grad_shard_exact"] and r["grad_as_torch"], (rank, r)
         assert r["params_bitwise"], (rank, r)
         assert r["fallback_sum"], (rank, r)
