@@ -71,7 +71,7 @@ class HostStaging:
         self.count = 0  # chunks moved so far: the slot of the next chunk
 
     @staticmethod
-    def open(group) -> Optional["HostStaging"]:
+    def open(group) -> Optional[HostStaging]:
         """Collective over `group`: the staging, or None (every member agrees) where some member cannot
         map every other member's file (another host, no /dev/shm, no room in it)."""
         import torch.distributed as dist
