@@ -97,6 +97,10 @@ def build_parts(cfg: ExperimentConfig, groups: ParallelGroups, placement=None) -
         engine = build_engine(
             cfg.rollout, data.hf_dir, groups, tok.eos_token_id, tok.pad_token_id, lora_rank, cfg.model.dtype
         )
+        if cfg.rollout.engine == "hf" and groups.device.type == "cpu":
+            from rlstack.rollout.host_cores import HostCores
+
+            engine.cores = HostCores.open(groups.world, groups.rank, groups.device)  # collective: every rank calls it
         weight_sync = WeightSync(
             actor.role.module,
             actor.role.args,

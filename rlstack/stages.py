@@ -6,6 +6,7 @@ measure the same code. Inputs are passed in (engine, groups, configs); nothing r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -121,7 +122,9 @@ def generate(
         gens += [dataclasses.replace(x, prompt_index=chunk[x.prompt_index]) for x in local]
     if groups.rank % cfg.tp:
         gens = []  # the replica's first rank reports for the whole replica
-    gens = gather_objects(gens, groups.world, groups.dims.world_size)
+    cores = getattr(engine, "cores", None)  # the hf engine on CPU: this rank's threads lent while it waits
+    with cores.waiting() if cores is not None else contextlib.nullcontext():
+        gens = gather_objects(gens, groups.world, groups.dims.world_size)
     return gens, float(sum(len(x.response_ids) for x in gens))
 
 

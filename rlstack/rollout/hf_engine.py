@@ -336,6 +336,8 @@ class HFEngine(RolloutEngine):
         self._counters = _Counters()
         self._turn_kv: Optional[TurnKV] = None  # inside keep_turn_kv(): the trajectories' KV between turns
         self._held_pack: Optional[dict] = None  # inside keep_turn_kv(): the packed weights of all its calls
+        # colocated CPU ranks: threads other ranks of the host lend while they wait (rollout/host_cores.py)
+        self.cores = None
 
     # ------------------------------------------------------------------ weights
 
@@ -423,7 +425,11 @@ class HFEngine(RolloutEngine):
         # rollout.timeout_s: a hung generation stops the run naming engine, rank and step (docs/reliability.md)
         with preemption.rollout_watchdog(getattr(self.cfg, "timeout_s", 0.0), "hf"):
             preemption.fault_hang()
-            return self._generate(prompts, params, max_new_tokens)
+            try:
+                return self._generate(prompts, params, max_new_tokens)
+            finally:
+                if self.cores is not None:
+                    self.cores.give_back()  # before this rank meets the others
 
     def _generate(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: Optional[list[int]]
@@ -511,6 +517,8 @@ class HFEngine(RolloutEngine):
                 turn_kv.put(ids, [(layer._k[j, :, slots], layer._v[j, :, slots]) for layer in cache.layers])
 
         for step in range(max_steps):
+            if self.cores is not None:
+                self.cores.take()  # what ranks done with their rows lend now
             tok, lp = sample_next(logits, params, generator)  # [b], [b]
             tokens[active, step], logprobs[active, step] = tok.cpu(), lp.float().cpu()
             newly = (tok == self.eos_token_id).cpu() & ~done[active]  # [b]
