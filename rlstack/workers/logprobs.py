@@ -147,20 +147,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
         grad = torch.zeros_like(logits)  # [N, V/tp]: padded columns get no gradient
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            g_lp = grad_logprob[lo:hi].unsqueeze(-1)  # [c, 1]
             log_p = _shifted(logits, lo, hi, real, temperature, row_max).sub_(log_z[lo:hi].unsqueeze(-1))
             p = log_p.exp()  # [c, real]
-            if entropy is None:
-                coef = p.mul_(g_lp)  # [c, real]: p_j g_lp
-            else:
-                g_h = grad_entropy[lo:hi].unsqueeze(-1)
-                coef = log_p.add_(entropy[lo:hi].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p)
-            coef.neg_()
-            rows = torch.arange(hi - lo, device=logits.device)
-            hit = in_shard[lo:hi]
-            coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
-            grad[lo:hi, :real] = coef.div_(temperature)
-            del log_p, p, coef
+            args = (local_t, in_shard, entropy, grad_logprob, grad_entropy, temperature)
+            grad[lo:hi, :real] = _logits_grad(log_p, p, lo, hi, *args)
+            del log_p, p
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -339,6 +330,23 @@ class _FusedOutputLogprob(torch.autograd.Function):
         return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
+def _logits_grad(log_p, p, lo, hi, local_t, in_shard, entropy, grad_logprob, grad_entropy, temperature):
+    """d loss / d logits of rows lo:hi [c, real], in place of `log_p` / `p` (both [c, real], scaled logits'
+    log-softmax and its exp): -p_j (g_lp + g_H (log p_j + H)) / T, plus g_lp / T at the row's target
+    where it lies in this vocab shard."""
+    g_lp = grad_logprob[lo:hi].unsqueeze(-1)  # [c, 1]
+    if entropy is None:
+        coef = p.mul_(g_lp)  # p_j g_lp
+    else:
+        g_h = grad_entropy[lo:hi].unsqueeze(-1)
+        coef = log_p.add_(entropy[lo:hi].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p)
+    coef.neg_()
+    rows = torch.arange(hi - lo, device=p.device)
+    hit = in_shard[lo:hi]
+    coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
+    return coef.div_(temperature)
+
+
 def _grad_by_row_chunks(
     hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature, grad_weight, chunk
 ):
@@ -354,17 +362,7 @@ def _grad_by_row_chunks(
         log_p = _chunk_logits(hidden[lo:hi], w, buf, temperature)
         log_p.sub_((row_max[lo:hi] + log_z[lo:hi]).unsqueeze(-1))
         p = _exp_into(log_p, pbuf[: hi - lo])  # [c, real]
-        g_lp = grad_logprob[lo:hi].unsqueeze(-1)  # [c, 1]
-        if entropy is None:
-            coef = p.mul_(g_lp)  # p_j g_lp
-        else:
-            g_h = grad_entropy[lo:hi].unsqueeze(-1)
-            coef = log_p.add_(entropy[lo:hi].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p)
-        coef.neg_()
-        rows = torch.arange(hi - lo, device=hidden.device)
-        hit = in_shard[lo:hi]
-        coef[rows[hit], local_t[lo:hi][hit]] += grad_logprob[lo:hi][hit]
-        coef.div_(temperature)  # d loss / d (hidden @ w.T) [c, real]
+        coef = _logits_grad(log_p, p, lo, hi, local_t, in_shard, entropy, grad_logprob, grad_entropy, temperature)
         if w.dtype == torch.float32:
             grad_hidden[lo:hi] = cpu_matmul.linear(coef, w.t())
             if grad_weight is not None:
