@@ -108,3 +108,31 @@ def patch_torch_adam_step_on_load() -> None:
 
     cls._set_main_param_and_optimizer_states = set_states
     cls._rlstack_step_patch = True
+
+
+# (o) optimizer/clip_grads.py `multi_tensor_scale_impl` (bound at :43 to megatron.core.utils'
+#     `local_multi_tensor_scale` without TE / Apex) and optimizer/optimizer.py's (:37): the gradient
+#     clipping (`clip_grad_by_total_norm_fp32`, :176: every gradient times the clip coefficient, in
+#     place) and `_multi_tensor_copy_this_to_that` (:90: bf16 main params into the model's, scale 1).
+#     The fallback writes `dst.copy_(src * scale)`: a temporary the size of each tensor. On CPU a large
+#     one is fresh memory at most steps (SmolLM2's embedding shard, 113 MB: ~28k page faults, 0.4-0.6 s
+#     of a step on the VMs of docs/benchmarks.md, on the rank holding it while the others wait for it at
+#     the param all-gather). The same products, written straight into dst (torch.mul's `out`, which
+#     computes in the inputs' dtype and casts as the copy did; `copy_` at scale 1, where x * 1 == x).
+def inplace_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    import torch
+
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        if scale == 1.0:
+            dst.copy_(src)
+        else:
+            torch.mul(src, scale, out=dst)
+
+
+def patch_inplace_multi_tensor_scale() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = inplace_multi_tensor_scale

@@ -354,6 +354,25 @@ PATCHES: tuple[Patch, ...] = (
             _site("optimizer.distrib_optimizer", "DistributedOptimizer.state_dict", "len(steps) == 1"),
         ),
     ),
+    Patch(
+        "inplace_multi_tensor_scale",
+        "faster CPU kernel",
+        Applies.NO_TE_OR_APEX,
+        _lazy("optimizer_state", "patch_inplace_multi_tensor_scale"),
+        (f"{MC}optimizer.clip_grads:multi_tensor_scale_impl", f"{MC}optimizer.optimizer:multi_tensor_scale_impl"),
+        (
+            _site(
+                "optimizer.clip_grads",
+                "clip_grad_by_total_norm_fp32",
+                "multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff",
+            ),
+            _site(
+                "optimizer.optimizer",
+                "_multi_tensor_copy_this_to_that",
+                "multi_tensor_applier(multi_tensor_scale_impl, overflow_buf, [this, that], 1.0)",
+            ),
+        ),
+    ),
     # ------------------------------------------------------------------ default group (default_group.py)
     Patch(
         "split_placement_default_group",

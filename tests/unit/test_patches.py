@@ -66,7 +66,12 @@ CPU = Environment(cuda=False, te=False, te_or_apex=False)
 GPU_BARE = Environment(cuda=True, te=False, te_or_apex=False)
 GPU_TE = Environment(cuda=True, te=True, te_or_apex=True)
 ALWAYS = {"mlp_act_recompute", "quiet_dependency_warnings"}
-NO_TE = {"moe_router_without_te", "output_discarding_checkpoint_without_te", "torch_adam_step_on_load"}
+NO_TE = {
+    "moe_router_without_te",
+    "output_discarding_checkpoint_without_te",
+    "torch_adam_step_on_load",
+    "inplace_multi_tensor_scale",
+}
 CPU_ONLY = {
     "current_device",
     "synchronize",
@@ -227,3 +232,29 @@ def test_start_up_warns_with_allow_untested_megatron(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_bridge"), pytest.raises(_Started):
         _start_training(monkeypatch, ["parallel.allow_untested_megatron=true"])
     assert "megatron-core 0.15.0" in caplog.text and "parallel.allow_untested_megatron=true" in caplog.text
+
+
+def test_inplace_multi_tensor_scale_gives_megatrons_bits():
+    import torch
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from megatron_bridge.patches.optimizer_state import inplace_multi_tensor_scale
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) for n in (7, 1000, 4096)]
+    for scale, dtype in ((0.3712, torch.float32), (0.3712, torch.bfloat16), (1.0, torch.bfloat16)):
+        theirs = [torch.empty(g.shape, dtype=dtype) for g in grads]
+        ours = [torch.empty(g.shape, dtype=dtype) for g in grads]
+        local_multi_tensor_scale(0, None, [grads, theirs], scale)
+        inplace_multi_tensor_scale(0, None, [grads, ours], scale)
+        assert all(
+            torch.equal(
+                a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            )
+            for a, b in zip(theirs, ours)
+        ), (scale, dtype)
+    # in place (the clipping: src is dst), as megatron's out of place
+    expected = [g * 0.25 for g in grads]
+    inplace_multi_tensor_scale(0, None, [grads, grads], 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
