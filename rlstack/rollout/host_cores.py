@@ -12,7 +12,8 @@ on one thread, 14.5 ms on two (docs/rollout.md).
 
 Only where it is safe and useful: CPU ranks, the hf engine (vLLM's CPU backend runs its own threads),
 colocated placement, torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE naming the host's ranks.
-`RLSTACK_LEND_CORES=0` turns it off.
+`RLSTACK_LEND_CORES=0` turns it off. A rank takes no more than the cores (its affinity) leave beside
+the busy ranks' own threads, so a host whose ranks already fill or outnumber its cores lends nothing.
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ SHM_DIR = "/dev/shm"
 
 
 class HostCores:
-    """The host's table of lent threads: entry i is what local rank i lends now (0: it is busy)."""
+    """The host's table: row i holds local rank i's own threads and whether it is waiting (lending them).
+
+    A rank takes at most what the host's cores leave beside the busy ranks' own threads: where ranks
+    already outnumber the cores (tests: 4 ranks on 2 cores), nothing is taken."""
 
     def __init__(self, table: torch.Tensor, local_rank: int):
-        self.table, self.local_rank = table, local_rank  # int32 [local world], shared by the host's ranks
+        self.table, self.local_rank = table, local_rank  # int32 [local world, 2], shared by the host's ranks
         self.own = torch.get_num_threads()
         self.using = self.own
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.others = torch.ones(table.shape[0], dtype=torch.bool)
+        self.others[local_rank] = False
+        table[local_rank, 0] = self.own
 
     @staticmethod
     def open(world_group, rank: int, device) -> Optional[HostCores]:
@@ -56,30 +64,35 @@ class HostCores:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # the host's ranks open one file
                 try:
-                    os.posix_fallocate(fd, 0, 4 * local_world)  # zeros: nobody lends yet
+                    os.posix_fallocate(fd, 0, 8 * local_world)  # zeros: nobody waits yet
                 finally:
                     os.close(fd)
-                table = torch.from_file(path, shared=True, size=local_world, dtype=torch.int32)
+                table = torch.from_file(path, shared=True, size=2 * local_world, dtype=torch.int32)
+                table = table.view(local_world, 2)
             except (OSError, RuntimeError) as e:
                 log.debug("lending cores: %s", e)
-        collectives.barrier(world_group, device)  # every rank of the host has mapped the file
+        cores = HostCores(table, local_rank) if table is not None else None  # writes its own threads
+        collectives.barrier(world_group, device)  # every rank of the host has mapped the file, filled its row
         with contextlib.suppress(OSError):
             os.unlink(path)
-        return HostCores(table, local_rank) if table is not None else None
+        return cores
 
     @contextlib.contextmanager
     def waiting(self):
         """This rank's threads lent to the host while the body runs (a wait on the other ranks)."""
-        self.table[self.local_rank] = self.own
+        self.table[self.local_rank, 1] = 1
         try:
             yield
         finally:
-            self.table[self.local_rank] = 0
+            self.table[self.local_rank, 1] = 0
 
     def take(self) -> None:
-        """Between decode steps: this rank's threads plus what the host's waiting ranks lend now."""
-        lent = int(self.table.sum()) - int(self.table[self.local_rank])
-        want = self.own + max(0, lent)
+        """Between decode steps: this rank's threads plus what the host's waiting ranks lend now, within
+        the cores the busy ranks leave."""
+        own, waiting = self.table[:, 0], self.table[:, 1].bool()
+        lent = int(own[self.others & waiting].sum())
+        busy = int(own[self.others & ~waiting].sum())
+        want = max(self.own, min(self.own + lent, self.cores - busy))
         if want != self.using:
             torch.set_num_threads(want)
             self.using = want

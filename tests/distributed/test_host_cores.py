@@ -27,13 +27,19 @@ def _lend(switch: str) -> dict:
     if rank == 1:  # done with its rows: waits for rank 0 (as in stages.generate's gather)
         with cores.waiting():
             dist.barrier()
-        out["after_wait"] = int(cores.table[1])
+        out["after_wait"] = int(cores.table[1, 1])
     else:  # still decoding
         deadline = time.monotonic() + 30
-        while int(cores.table[1]) == 0 and time.monotonic() < deadline:
+        while int(cores.table[1, 1]) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        cores.cores = 2  # room for both ranks' threads, whatever this machine has
         cores.take()
         out["threads_while_lent"] = torch.get_num_threads()
+        cores.cores = 1  # a host whose cores the ranks already fill: nothing to take
+        cores.take()
+        out["threads_without_room"] = torch.get_num_threads()
+        cores.cores = 2
+        cores.take()
         cores.give_back()
         out["threads_after"] = torch.get_num_threads()
         dist.barrier()  # rank 1 stops waiting
@@ -49,6 +55,7 @@ def test_a_waiting_rank_lends_its_threads_to_a_decoding_one():
     r0, r1 = run_distributed(_lend, 2, "1")
     assert r0["opened"] and r1["opened"] and r0["left_in_shm"] == [] == r1["left_in_shm"], (r0, r1)
     assert r0["threads_while_lent"] == 2 and r0["threads_after"] == 1 and r0["threads_unlent"] == 1, r0
+    assert r0["threads_without_room"] == 1, r0
     assert r1["after_wait"] == 0, r1
 
 
