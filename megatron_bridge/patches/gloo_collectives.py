@@ -147,20 +147,28 @@ class HostStaging:
 
 
 def _create(path: str, nbytes: int) -> bool:
-    """A new file of `nbytes` at `path`, its blocks allocated now (a full tmpfs answers ENOSPC here, not
-    SIGBUS at the first write through the mapping)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not os.path.isdir(SHM_DIR):
+    """This member's staging file (a new one), unless RLSTACK_HOST_SHM_COLLECTIVES=0."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and shm_file(path, nbytes, exclusive=True)
+
+
+def shm_file(path: str, nbytes: int, exclusive: bool) -> bool:
+    """A file of `nbytes` at `path` (under /dev/shm), its blocks allocated now: a full tmpfs answers
+    ENOSPC here, not SIGBUS at the first write through a mapping. `exclusive`: a new file (O_EXCL);
+    otherwise the host's ranks may open and size one file together (its bytes start as zeros). False,
+    logged at debug, where it cannot be made (no such directory, no room). Also used by
+    rlstack/rollout/host_cores.py (the host's table of lent cores)."""
+    if not os.path.isdir(os.path.dirname(path)):
         return False
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | (os.O_EXCL if exclusive else 0), 0o600)
     except OSError as e:
-        log.debug("host staging: %s", e)
+        log.debug("shared-memory file: %s", e)
         return False
     try:
         os.posix_fallocate(fd, 0, nbytes)
         return True
     except OSError as e:
-        log.debug("host staging: %s", e)
+        log.debug("shared-memory file: %s", e)
         return False
     finally:
         os.close(fd)

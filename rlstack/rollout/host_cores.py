@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge.patches.gloo_collectives import shm_file
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "RLSTACK_LEND_CORES"
@@ -60,16 +62,12 @@ class HostCores:
         wanted = os.environ.get(ENV_SWITCH, "1") != "0" and 0 <= local_rank < local_world and local_world > 1
         path = os.path.join(SHM_DIR, f"rlstack-cores-{name}-{socket.gethostname()}")
         table = None
-        if wanted and os.path.isdir(SHM_DIR):
+        # the host's ranks open and size one file; its zeros say nobody waits yet
+        if wanted and shm_file(path, 8 * local_world, exclusive=False):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # the host's ranks open one file
-                try:
-                    os.posix_fallocate(fd, 0, 8 * local_world)  # zeros: nobody waits yet
-                finally:
-                    os.close(fd)
                 table = torch.from_file(path, shared=True, size=2 * local_world, dtype=torch.int32)
                 table = table.view(local_world, 2)
-            except (OSError, RuntimeError) as e:
+            except RuntimeError as e:
                 log.debug("lending cores: %s", e)
         cores = HostCores(table, local_rank) if table is not None else None  # writes its own threads
         collectives.barrier(world_group, device)  # every rank of the host has mapped the file, filled its row
