@@ -116,7 +116,7 @@ def describe_setup(args, cfg) -> dict:
         "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
         "steps": args.steps,
-        "warmup_steps": 1,
+        "warmup_steps": getattr(args, "warmup_steps", 1),
         "reps": args.reps,
         "warmup_reps": 1,
         "overrides": list(args.overrides),

@@ -41,7 +41,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rerender", default="", help="re-render the table/chart of a results .json; runs nothing")
     p.add_argument("overrides", nargs="*", help="section.key=value, passed to the trainer and the stages")
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs present, else 2)")
-    p.add_argument("--steps", type=int, default=3, help="trainer steps; the first is warm-up")
+    p.add_argument("--steps", type=int, default=3, help="trainer steps; the first --warmup-steps are warm-up")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=1,
+        help="leading steps left out of every figure, rlstack's and TRL's alike (default 1). A CPU rank's heap "
+        "grows over its first ~20 steps (page faults, docs/benchmarks.md 'The heap's warm-up'): 20 of 26 steps "
+        "measure the steady state",
+    )
     p.add_argument(
         "--settings",
         default="no_ref,ref,one_process",
@@ -453,6 +461,19 @@ def _load_reuse(path: str, config_name: str) -> dict:
     return earlier
 
 
+def check_warmup(args) -> None:
+    """--warmup-steps leaves at least one measured step on each side that runs (TRL unless --skip trl)."""
+    sides = [("--steps", args.steps)]
+    if "trl" not in set(filter(None, args.skip.split(","))):
+        sides.append(("--trl-steps", args.trl_steps))
+    short = [f"{flag} {n}" for flag, n in sides if n <= args.warmup_steps]
+    if args.warmup_steps < 1 or short:
+        raise SystemExit(
+            f"benchmarks/run.py: --warmup-steps {args.warmup_steps} must be >= 1 and leave a measured step "
+            f"({', '.join(short) or 'below 1'}): raise the step counts or lower --warmup-steps"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rerender:
@@ -460,6 +481,7 @@ def main(argv=None) -> int:
             return publish(json.load(f)["results"], args.out_dir)
     if not args.config:
         raise SystemExit("benchmarks/run.py: --config is required (or --rerender RESULTS.json)")
+    check_warmup(args)
     from rlstack.config import load_config
 
     args.overrides = with_precision(args)

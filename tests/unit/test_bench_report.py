@@ -512,3 +512,19 @@ def test_lora_setting_renders_beside_full_training():
     assert f"| peak memory, all processes (RSS) | {label} | 4.00 GiB |" in text
     assert f"| weight sync bytes (rank 0) | {label} | 131 kB | - |" in text
     assert "| weight sync bytes (rank 0) | with reference | 1 kB | - |" in text
+
+
+def test_warmup_steps_leave_steps_out_on_both_sides_and_must_leave_one():
+    from benchmarks.run import check_warmup, parse_args
+
+    results = _results()
+    results["setup"]["warmup_steps"] = 2  # the heap's warm-up: rlstack's 100 s and 10 s, TRL's 50 s and 20 s out
+    f = analysis.derive(results)
+    assert f["timing/step_s"] == {"median": 12.0, "min": 12.0, "max": 12.0, "n": 1}
+    assert f["trl/step_s"]["median"] == 24.0
+    check_warmup(parse_args(["--config", "c.yaml", "--steps", "26", "--trl-steps", "26", "--warmup-steps", "20"]))
+    check_warmup(parse_args(["--config", "c.yaml", "--steps", "26", "--warmup-steps", "20", "--skip", "trl"]))
+    with pytest.raises(SystemExit, match="--trl-steps 3"):  # TRL runs: its steps must outlast the warm-up too
+        check_warmup(parse_args(["--config", "c.yaml", "--steps", "26", "--warmup-steps", "20"]))
+    with pytest.raises(SystemExit, match="--steps 3"):
+        check_warmup(parse_args(["--config", "c.yaml", "--warmup-steps", "3", "--skip", "trl"]))
