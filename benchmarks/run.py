@@ -47,8 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=1,
         help="leading steps left out of every figure, rlstack's and TRL's alike (default 1). A CPU rank's heap "
-        "grows over its first ~20 steps (page faults, docs/benchmarks.md 'The heap's warm-up'): 20 of 26 steps "
-        "measure the steady state",
+        "grows over its first ~20 steps (page faults, docs/benchmarks.md 'The heap's warm-up'): --steps 26 "
+        "--warmup-steps 20 measures the 6 steps after it",
     )
     p.add_argument(
         "--settings",
