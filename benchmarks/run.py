@@ -483,6 +483,9 @@ def main(argv=None) -> int:
         raise SystemExit("benchmarks/run.py: --config is required (or --rerender RESULTS.json)")
     check_warmup(args)
     from rlstack.config import load_config
+    from rlstack.observability.quiet import quiet_third_party
+
+    quiet_third_party()  # the default model's first conversion prints no progress bars (the trainer's own runs quiet too)
 
     args.overrides = with_precision(args)
     cfg = load_config(args.config, args.overrides)

@@ -8,6 +8,8 @@ in a cache directory. `build_once` publishes the directory atomically, so severa
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 
@@ -46,14 +48,32 @@ def convert_gguf(out_dir: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = gguf_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    with _gguf_bar_quiet():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     # A GGUF-loaded model carries a quantizer marker and save_pretrained refuses it; the weights are
     # already dequantised to float32, so clearing the marker is exact.
     model.hf_quantizer.remove_quantization_config(model)
     save_pretrained_here(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _gguf_bar_quiet():
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF tensors"),
+    which `quiet_third_party`'s progress-bar switch does not reach: off unless that switch is on
+    (`logging.verbose=true` keeps it)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = gguf_utils.tqdm
+    if not hf_logging.is_progress_bar_enabled():
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def default_model_dir(cache_dir: str | None = None) -> str:

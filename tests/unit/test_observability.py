@@ -635,3 +635,25 @@ def test_phase_memory_reports_each_phases_own_peak():
     assert peak_rss_gib() >= out["mem/peak_gib/update"] - 1e-6  # the lifetime peak survives the resets
     meter.start()
     assert meter.metrics() == {}  # a new step starts empty
+
+
+def test_gguf_conversion_bar_is_off_when_progress_bars_are_and_restored_after():
+    """transformers' GGUF loader draws a raw tqdm bar that the progress-bar switch misses (the default
+    model's first conversion printed it in `make demo` and `make bench`)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from megatron_bridge.default_model import _gguf_bar_quiet
+
+    bar = gguf_utils.tqdm
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.disable_progress_bar()
+        with _gguf_bar_quiet():
+            assert gguf_utils.tqdm(range(3)).disable is True
+        assert gguf_utils.tqdm is bar
+        hf_logging.enable_progress_bar()  # logging.verbose=true: the bar stays
+        with _gguf_bar_quiet():
+            assert gguf_utils.tqdm is bar
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
