@@ -212,6 +212,7 @@ def test_trl_ratios_and_targets():
     assert f["ratio/peak_memory"] == pytest.approx(0.4)
     t = f["targets"]
     assert t["step_time_vs_trl"]["met"] is True
+    assert t["step_time_vs_trl_every_cpu"]["value"] == pytest.approx(0.5) and t["step_time_vs_trl_every_cpu"]["met"]
     assert t["peak_memory_vs_trl"]["met"] is True
     assert t["rollout_decode_fraction"]["met"] is False
     assert t["sync_bytes"]["value"] == 1000 and t["sync_bytes"]["met"] is False  # tp1 engine, tp1 actor: agree
@@ -224,6 +225,7 @@ def test_target_bounds_are_issue_15s():
         "peak_memory_vs_trl": ("<=", 0.7),
         "rank_memory_vs_state": ("<=", 1.3),
         "step_time_vs_trl": ("<=", 0.6),
+        "step_time_vs_trl_every_cpu": ("<=", 0.5),  # issue 40's
         "rollout_decode_fraction": (">=", 0.6),
         "step_floor_fraction": (">=", 0.7),
         "step_roofline_fraction": (">=", 0.8),  # issue 40's
