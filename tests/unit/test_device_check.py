@@ -18,3 +18,12 @@ def test_plan_peak_and_layout_parsing():
     assert _plan_peak_gib('log line\n{"peak_gib": 0.66, "fits": true}') == 0.66
     assert _plan_peak_gib("error: no plan") is None
     assert _layout(["model.path=x", "parallel.tp=2"]) == (2, 1)
+
+
+def test_cpu_mode_turns_core_lending_off_by_its_real_switch():
+    """The CPU check compares resumed steps exactly, which holds only without lent cores (timing moves the
+    thread count, and with it the rounding); its constant must name host_cores' switch."""
+    from benchmarks.device_check import LEND_CORES_ENV
+    from rlstack.rollout.host_cores import ENV_SWITCH
+
+    assert LEND_CORES_ENV == ENV_SWITCH
