@@ -8,7 +8,8 @@
    weight sync into the rollout engine ran (sync/bytes > 0) and the engine's log-probs agree with
    the actor's (the parity check) within the bf16 tolerance; every metric is finite;
 3. resume: a fresh run loads that checkpoint and repeats the first run's later steps (exactly on
-   CPU, with the ranks' core lending off; within `--resume-rtol`/`--resume-atol` on a GPU, whose kernels are not bit-deterministic);
+   CPU, with the ranks' core lending off; within `--resume-rtol`/`--resume-atol` on a GPU, whose
+   kernels are not bit-deterministic);
 4. planner: `python -m rlstack.plan` for the same config, its peak against the measured one, when
    that module exists (else `planner: not present`);
 5. speed: step time and tokens/s of the training steps after the first.
@@ -36,9 +37,9 @@ BF16_LOGPROB_ATOL = 5e-2
 # The training run's settings, for the planner too: PPO (actor, critic, reference) in bf16, and the
 # norms' selective recompute (megatron's output-discarding checkpoint, which needs patches.missing_te (m)
 # without Transformer Engine, on a GPU as on CPU)
-LEND_CORES_ENV = "RLSTACK_LEND_CORES"  # rlstack.rollout.host_cores.ENV_SWITCH (not imported: no torch here)
 TRAIN_SETTINGS = ("algorithm.name=ppo", "model.dtype=bfloat16", "model.recompute_modules=[layernorm]")
 VOLATILE = ("timing/", "throughput/", "mem/", "sync/seconds", "time/")
+LEND_CORES_ENV = "RLSTACK_LEND_CORES"  # rlstack.rollout.host_cores.ENV_SWITCH (not imported: no torch here)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -305,7 +306,7 @@ def main(argv=None) -> int:
     if args.mode == "cpu":
         # Cores lent between the ranks (rlstack/rollout/host_cores.py) change a rank's thread count in
         # mid-rollout at moments set by timing, and with it the engine's rounding: the exact comparison
-        # of the resumed steps holds with the lending off (docs/reliability.md "Exact resume").
+        # of the resumed steps holds with the lending off (docs/reliability.md "Exact resume and lent cores").
         env[LEND_CORES_ENV] = "0"
     check_collectives(args, checks, env)
     rc, rows, _ = train(

@@ -13,8 +13,9 @@ on one thread, 14.5 ms on two (docs/rollout.md).
 Only where it is safe and useful: CPU ranks, the hf engine (vLLM's CPU backend runs its own threads),
 colocated placement, torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE naming the host's ranks.
 `RLSTACK_LEND_CORES=0` turns it off; runs that must repeat bit for bit do so, since a lent thread
-changes oneDNN's rounding at moments set by timing (docs/reliability.md "Exact resume and lent cores"). A rank takes no more than the cores (its affinity) leave beside
-the busy ranks' own threads, so a host whose ranks already fill or outnumber its cores lends nothing.
+changes oneDNN's rounding at moments set by timing (docs/reliability.md "Exact resume and lent cores").
+A rank takes no more than the cores (its affinity) leave beside the busy ranks' own threads, so a host
+whose ranks already fill or outnumber its cores lends nothing.
 """
 
 from __future__ import annotations
