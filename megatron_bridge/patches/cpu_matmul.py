@@ -13,6 +13,13 @@ same maths, summed in another order: results differ in the last bits (~1e-7 rela
     matmuls through `linear` below when the kernel applies (CPU float32, no sequence parallelism, no
     gradient-accumulation fusion, no deferred weight gradients); otherwise megatron's own code runs.
 
+bf16 on CPUs without a bf16 multiply (no lscpu flag avx512_bf16 / amx_bf16): torch's bf16 CPU linear
+is emulated there, 5-9x slower than the same operands cast to float32, multiplied and the result cast
+back (AMD EPYC, AVX2 only, one thread: 7-14 GFLOP/s against 59-65 at tiny_cpu's and SmolLM2's
+shapes). `linear` does that cast (`upcasts`); the products of bf16 numbers are exact in float32 and
+both sum in float32, so it is the same maths as the emulated kernel, summed in another order. CPUs
+with the flags keep torch's bf16 kernels.
+
 The kernel is chosen per process by `set_mode` (rlstack: `parallel.cpu_matmul`): "auto" (oneDNN on
 x86 CPUs that are not Intel's, where MKL is the slow one; torch's MKL on Intel's), "onednn" or
 "torch". Each rank of a job decides the same way, and a resumed run like the run it resumes.
@@ -82,14 +89,46 @@ def kernel_name() -> str:
 
 
 def applies(*tensors: Optional[torch.Tensor]) -> bool:
+    """Float32 CPU operands that this process multiplies on oneDNN."""
     return onednn_available() and all(
         t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors
     )
 
 
+def has_native_bf16(flags: str) -> bool:
+    """Do these /proc/cpuinfo flags include a bf16 multiply (avx512_bf16 or amx_bf16)?"""
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> bool:
+    """Does this CPU multiply bf16 in hardware? Elsewhere oneDNN emulates it (AVX-512 without the
+    flags) or torch falls back to slow loops (AVX2 only)."""
+    return has_native_bf16(cpuinfo("flags"))
+
+
+def upcasts(*tensors: Optional[torch.Tensor]) -> bool:
+    """bf16 CPU operands that `linear` multiplies in float32 (a CPU without a bf16 multiply; not in
+    mode "torch", which keeps torch's own kernels)."""
+    return (
+        _mode != "torch"
+        and all(t is None or (t.device.type == "cpu" and t.dtype == torch.bfloat16) for t in tensors)
+        and not native_bf16()
+    )
+
+
+def handles(*tensors: Optional[torch.Tensor]) -> bool:
+    """Does `linear` run these operands on a kernel of its own (oneDNN float32, or bf16 cast up)?"""
+    return applies(*tensors) or upcasts(*tensors)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., k] @ w.T (+ bias): w [n, k], any strides (a transposed view included). No autograd:
-    call it where gradients are not recorded (an autograd Function's forward / backward, no_grad)."""
+    call it where gradients are not recorded (an autograd Function's forward / backward, no_grad).
+    bf16 operands on a CPU without a bf16 multiply: multiplied in float32, the result in bf16."""
+    if upcasts(x, w, bias):
+        b = None if bias is None else bias.float()
+        return linear(x.float(), w.float(), b).to(x.dtype)
     if applies(x, w, bias) and x.numel() and w.numel():  # oneDNN refuses empty operands (an MoE expert with no tokens)
         try:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -112,7 +151,7 @@ def _patch_onednn_linears() -> None:
 
         @staticmethod
         def forward(ctx, input, weight, bias, gaf, allreduce_dgrad, sp, grad_output_buffer, deferral, tp_group):
-            ctx.rl_onednn = applies(input, weight, bias) and not (sp or gaf or grad_output_buffer is not None)
+            ctx.rl_onednn = handles(input, weight, bias) and not (sp or gaf or grad_output_buffer is not None)
             if not ctx.rl_onednn:
                 return grad_base.forward(
                     ctx, input, weight, bias, gaf, allreduce_dgrad, sp, grad_output_buffer, deferral, tp_group
@@ -145,7 +184,7 @@ def _patch_onednn_linears() -> None:
 
         @staticmethod
         def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
-            ctx.rl_onednn = applies(input, weight, bias)
+            ctx.rl_onednn = handles(input, weight, bias)
             if not ctx.rl_onednn:
                 return frozen_base.forward(ctx, input, weight, bias, allreduce_dgrad, tp_group)
             ctx.save_for_backward(weight)

@@ -80,11 +80,9 @@ def check_rollout(rollout_cfg: RolloutConfig, engine_ranks: int, split: bool = F
 def cpu_has_native_bf16(flags: Optional[str] = None) -> bool:
     """Does this CPU multiply bf16 in hardware (lscpu flag avx512_bf16 or amx_bf16)? Elsewhere oneDNN
     emulates bf16 matmuls (AVX-512 without them) or torch falls back to slow loops (AVX2 only)."""
-    if flags is None:
-        from megatron_bridge.patches.cpu_matmul import cpuinfo
+    from megatron_bridge.patches import cpu_matmul
 
-        flags = cpuinfo("flags")
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    return cpu_matmul.native_bf16() if flags is None else cpu_matmul.has_native_bf16(flags)
 
 
 def hf_engine_dtype(setting: str, model_dtype: str, device) -> torch.dtype:

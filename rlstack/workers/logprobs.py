@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_bridge.patches import cpu_matmul
 
@@ -320,8 +319,8 @@ class _FusedOutputLogprob(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         into = grad_weight[:real] if grad_weight is not None else None
         args = (hidden, w, local_t, in_shard, row_max, log_z, entropy, grad_logprob, grad_entropy, temperature, into)
-        if hidden.device.type == "cpu" and weight.dtype == torch.bfloat16:  # torch's bf16 matmuls run on oneDNN
-            grad_hidden = _grad_by_vocab_slices(*args, chunk * max(real, 1), F.linear)
+        if hidden.device.type == "cpu" and weight.dtype == torch.bfloat16:  # bf16: oneDNN's, or cast up (cpu_matmul)
+            grad_hidden = _grad_by_vocab_slices(*args, chunk * max(real, 1), cpu_matmul.linear)
         elif weight.dtype == torch.float32 and cpu_matmul.applies(hidden, weight):
             grad_hidden = _grad_by_vocab_slices(*args, chunk * max(real, 1), cpu_matmul.linear)
         else:
@@ -490,7 +489,9 @@ def _chunk_logits(hidden: torch.Tensor, w: torch.Tensor, buf: torch.Tensor, temp
     of SmolLM2) was fresh memory at most calls, and its page faults cost more than the matmul (AMD EPYC
     VM: 120-310 ms instead of 46 at 170 rows); a [c, 4096] slice is the same small block each time."""
     out = buf[: hidden.shape[0]]
-    if cpu_matmul.applies(hidden, w):
+    if w.dtype == torch.bfloat16 and cpu_matmul.upcasts(w):  # bf16 cast up a slice at a time, not all of w
+        hidden = hidden.to(w.dtype)
+    if cpu_matmul.handles(hidden, w):
         for v0 in range(0, w.shape[0], _VOCAB_SLICE):
             out[:, v0 : v0 + _VOCAB_SLICE] = cpu_matmul.linear(hidden, w[v0 : v0 + _VOCAB_SLICE])
     elif w.dtype == torch.float32 and hidden.dtype == torch.float32:

@@ -87,12 +87,43 @@ def test_frozen_linear_and_the_torch_mode(mode):
     assert torch.equal(box["y"], torch.matmul(x, w.t()))  # torch mode: megatron's own code, bit for bit
 
 
-def test_bfloat16_keeps_megatron_code(mode):
+def test_bfloat16_keeps_megatron_code_where_the_cpu_multiplies_bf16(mode, monkeypatch):
     mode("onednn")
+    monkeypatch.setattr(cpu_matmul, "native_bf16", lambda: True)
     x, w = torch.randn(4, 1, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
-    assert not cpu_matmul.applies(x, w)
+    assert not cpu_matmul.handles(x, w)
     y = layers.linear_with_frozen_weight(x, w, None, False, False, False, tp_group=object())
     assert torch.equal(y, torch.matmul(x, w.t()))
+
+
+@pytest.mark.parametrize("kind", ["onednn", "auto"])
+def test_bfloat16_is_multiplied_in_float32_where_the_cpu_does_not(mode, monkeypatch, kind):
+    """No avx512_bf16 / amx_bf16: bf16 operands cast up, multiplied in float32, the results bf16."""
+    mode(kind)
+    monkeypatch.setattr(cpu_matmul, "native_bf16", lambda: False)
+    assert cpu_matmul.has_native_bf16("fma avx2 avx512f avx512_bf16") and cpu_matmul.has_native_bf16("amx_bf16 avx2")
+    assert not cpu_matmul.has_native_bf16("fma avx2 avx512f avx512_vnni")
+    torch.manual_seed(2)
+    x = torch.randn(6, 2, 48, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 48, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(6, 2, 40, dtype=torch.bfloat16)
+    assert cpu_matmul.upcasts(x, w) and cpu_matmul.handles(x, w)
+
+    def run():
+        y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, False, False, tp_group=object())
+        y.backward(g)
+        return y
+
+    ops = _ops(run)
+    assert "aten::matmul" not in ops and ({"mkldnn::_linear_pointwise", "aten::linear"} & ops), ops
+    y = run().detach()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    xf, wf, gf = x.detach().float(), w.detach().float(), g.float()  # bf16 products are exact in float32
+    torch.testing.assert_close(y.float(), xf @ wf.t(), rtol=0.01, atol=0.01)
+    torch.testing.assert_close(x.grad.float() / 2, gf @ wf, rtol=0.01, atol=0.1)  # run() twice: summed
+    torch.testing.assert_close(w.grad.float() / 2, gf.reshape(-1, 40).t() @ xf.reshape(-1, 48), rtol=0.01, atol=0.1)
+    mode("torch")  # torch's own kernels, bf16 as they are
+    assert not cpu_matmul.upcasts(x, w)
 
 
 def test_empty_operands_fall_back(mode):
