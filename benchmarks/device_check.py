@@ -342,4 +342,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_bridge.fast_exit import run_main
+
+    run_main(main)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 
 from megatron_bridge.errors import InputError
@@ -236,4 +235,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # dist checkpointing spawns a manager: the guard keeps it from re-running main
-    sys.exit(main())
+    from megatron_bridge.fast_exit import run_main
+
+    run_main(main)

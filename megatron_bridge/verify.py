@@ -244,4 +244,6 @@ def _log(groups, message: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_bridge.fast_exit import run_main
+
+    run_main(main)

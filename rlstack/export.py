@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from typing import Optional
 
 from rlstack.errors import UserError
@@ -295,4 +294,6 @@ def _check_out_dir(flag: str, out: Optional[str], force: bool) -> None:
 
 
 if __name__ == "__main__":  # dist checkpointing spawns a process: keep the guard
-    sys.exit(main())
+    from megatron_bridge.fast_exit import run_main
+
+    run_main(main)
