@@ -23,7 +23,10 @@ class UnsupportedMegatronError(InputError):
 
 
 def installed_megatron() -> str:
-    import megatron.core
+    from megatron_bridge.patches.lazy_compile import lazy_torch_compile
+
+    with lazy_torch_compile():  # megatron's first import: its 38 jit_fuser kernels set up at first call
+        import megatron.core
 
     return str(megatron.core.__version__)
 
