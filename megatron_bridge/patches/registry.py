@@ -23,6 +23,7 @@ KINDS = (
     "default group",  # the default process group as megatron sees it (split placement)
     "recompute",  # rlstack's extra selective recompute ("mlp_act") on megatron's MLP
     "warning filter",  # megatron's own warnings that no setting can change
+    "checkpoint process",  # a helper process megatron's checkpoint writer starts
 )
 
 
@@ -397,6 +398,21 @@ PATCHES: tuple[Patch, ...] = (
         _lazy("act_recompute", "wrap_swiglu"),
         (f"{MC}transformer.mlp:bias_swiglu_impl",),
         (_site("transformer.mlp", "MLP.forward", "bias_swiglu_impl("),),
+    ),
+    # ------------------------------------------------------------------ checkpoint process (checkpoint_writer.py)
+    Patch(
+        "forked_write_results_queue",
+        "checkpoint process",
+        Applies.ALWAYS,
+        _lazy("checkpoint_writer", "patch_write_results_queue"),
+        (f"{MC}dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",),
+        (
+            _site(
+                "dist_checkpointing.strategies.filesystem_async",
+                "FileSystemWriterAsync.prepare_write_data",
+                "self.results_queue = _get_write_results_queue()",
+            ),
+        ),
     ),
     # ------------------------------------------------------------------ warning filters (quiet_warnings.py)
     Patch(

@@ -65,7 +65,7 @@ def test_every_call_site_is_in_the_installed_megatron_core(patch):
 CPU = Environment(cuda=False, te=False, te_or_apex=False)
 GPU_BARE = Environment(cuda=True, te=False, te_or_apex=False)
 GPU_TE = Environment(cuda=True, te=True, te_or_apex=True)
-ALWAYS = {"mlp_act_recompute", "quiet_dependency_warnings"}
+ALWAYS = {"mlp_act_recompute", "quiet_dependency_warnings", "forked_write_results_queue"}
 NO_TE = {
     "moe_router_without_te",
     "output_discarding_checkpoint_without_te",
