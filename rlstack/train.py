@@ -130,16 +130,12 @@ def _die_with_launcher() -> None:
     user restarts a job in. The kernel kills this rank when its parent dies (PR_SET_PDEATHSIG)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
         return
-    import ctypes
-    import signal
+    from megatron_bridge.patches.checkpoint_writer import die_with_parent
 
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except OSError:  # not Linux: nothing to set
-        return
-    if os.getppid() == 1:  # the launcher died before the line above
+    launcher = os.getppid()
+    if launcher == 1:  # the launcher is already gone
         os._exit(137)
+    die_with_parent(launcher)
 
 
 def _stop_on_sigterm() -> None:

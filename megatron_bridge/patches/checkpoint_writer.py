@@ -21,7 +21,8 @@ _manager = None
 
 
 def die_with_parent(parent: int) -> None:
-    """In a child: have the kernel SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    """Have the kernel SIGKILL this process when its parent `parent` dies (PR_SET_PDEATHSIG; Linux, elsewhere
+    nothing): the queue's server here, each rank under its launcher (rlstack/train.py)."""
     import ctypes
 
     try:
