@@ -135,6 +135,7 @@ def step_shape(results: dict, figures: dict) -> Optional[StepShape]:
         ref_forward=s.get("reference", True),
         old_logprob_forward=s.get("old_logprob_forward", True),
         critic=s.get("algorithm") == "ppo",
+        shared_prompts=bool(s.get("prefix_sharing", False)),
     )
 
 
@@ -375,6 +376,8 @@ def setting_results(results: dict, name: str) -> dict:
     """The run as if only setting `name` had been run: its trainer and TRL parts, its reference flag."""
     st = results["settings"][name]
     setup = {**results["setup"], "reference": st.get("reference", results["setup"].get("reference", True))}
+    if "prefix_sharing" in st:
+        setup["prefix_sharing"] = st["prefix_sharing"]
     nproc = st.get("nproc")
     if nproc and nproc != setup["nproc"]:  # the same machine's threads over fewer ranks (data parallel only)
         threads = setup["nproc"] * setup["threads_per_rank"] // nproc

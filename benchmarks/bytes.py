@@ -170,7 +170,7 @@ def decode_bytes(dims: ModelDims, shape: StepShape, layout: Layout) -> float:
 def forward_bytes(dims: ModelDims, shape: StepShape, layout: Layout, params: int, logits: bool) -> float:
     """One forward over every sequence: weights per micro-batch, activations, (log-prob) logits."""
     out = micro_batches(shape, layout) * weight_bytes(params, layout)
-    out += shape.train_tokens * activation_elems(dims, layout.tp) * layout.param_bytes
+    out += shape.model_tokens * activation_elems(dims, layout.tp) * layout.param_bytes
     if logits:
         out += shape.response_tokens * 2 * dims.vocab * LOGIT_BYTES
     return out
@@ -182,7 +182,7 @@ def train_bytes(dims: ModelDims, shape: StepShape, layout: Layout, params: int, 
     m = micro_batches(shape, layout)
     weights = 2 * m * weight_bytes(params, layout)
     grad_buffer = (2 * m - 1) * layout.dp * grads * GRAD_BYTES
-    acts = 3 * shape.train_tokens * activation_elems(dims, layout.tp) * layout.param_bytes
+    acts = 3 * shape.model_tokens * activation_elems(dims, layout.tp) * layout.param_bytes
     head = shape.response_tokens * 6 * dims.vocab * LOGIT_BYTES if logits else 0.0
     return shape.ppo_epochs * (weights + grad_buffer + acts + head)
 

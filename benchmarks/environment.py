@@ -115,6 +115,11 @@ def describe_setup(args, cfg) -> dict:
         # The trainer skips the old-log-prob forward on policy (rlstack.step.colocated.ColocatedSource.on_policy).
         "old_logprob_forward": not (a.ppo_epochs == 1 and a.mini_batch_size <= 0 and not a.use_kl_in_reward),
         "decode_rows_per_rank": min(r.micro_batch_size, seqs_per_rank),
+        # model.prefix_sharing: the training and log-prob passes run each prompt once for its n samples
+        # (packed rows, no pipeline parallelism, the SDPA core attention: no Transformer Engine)
+        "prefix_sharing": bool(
+            cfg.model.prefix_sharing and cfg.model.remove_padding and dims.pp == 1 and r.n > 1 and not _have_te()
+        ),
         "steps": args.steps,
         "warmup_steps": getattr(args, "warmup_steps", 1),
         "reps": args.reps,
@@ -219,3 +224,10 @@ def versions(results: dict) -> dict:
     dirty = _run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])
     out["rlstack commit"] = (commit or "unknown") + (" (with local changes)" if dirty else "")
     return out
+
+
+def _have_te() -> bool:
+    """Transformer Engine importable (megatron_bridge.models then builds TE's attention, not SDPA)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None

@@ -106,6 +106,8 @@ class StepShape:
     ref_forward: bool = True  # KL to a reference policy
     old_logprob_forward: bool = True  # a separate forward for the behaviour policy's log-probs
     critic: bool = False  # PPO: critic values forward + critic training
+    # model.prefix_sharing: the log-prob, value and training passes run each prompt once for its samples
+    shared_prompts: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -123,12 +125,27 @@ class StepShape:
     def response_tokens(self) -> float:
         return self.num_sequences * self.response_len
 
+    @property
+    def model_tokens(self) -> float:
+        """Tokens a forward pass over the step's sequences runs: every row's, or with shared prompts
+        each prompt once and every row's response."""
+        if self.shared_prompts and self.samples_per_prompt > 1:
+            return self.num_prompts * self.prompt_len + self.response_tokens
+        return self.train_tokens
+
 
 def forward_flops(dims: ModelDims, shape: StepShape, params: int, head_params: int = 0) -> float:
     """One forward over every sequence of the step: `params` at every token (prompt + response),
-    `head_params` only at the positions that score a response token."""
-    per_seq = 2.0 * params * shape.seq_len + 2.0 * head_params * shape.response_len
-    return shape.num_sequences * (per_seq + dims.attention_flops(shape.seq_len))
+    `head_params` only at the positions that score a response token. With shared prompts the
+    prompt's tokens and attention once per prompt, each response attending to it and to itself."""
+    head = shape.num_sequences * 2.0 * head_params * shape.response_len
+    if shape.model_tokens != shape.train_tokens:
+        attention = shape.num_prompts * dims.attention_flops(shape.prompt_len) + shape.num_sequences * (
+            dims.attention_flops(shape.seq_len, past=shape.prompt_len)
+        )
+        return 2.0 * params * shape.model_tokens + head + attention
+    per_seq = 2.0 * params * shape.seq_len
+    return shape.num_sequences * (per_seq + dims.attention_flops(shape.seq_len)) + head
 
 
 def actor_forward_flops(dims: ModelDims, shape: StepShape) -> float:

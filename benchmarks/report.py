@@ -302,9 +302,20 @@ def what_each_side_did(results: dict) -> list[str]:
         f"{trl.get('threads', '?')}), host allocator {s.get('host_allocator', 'glibc')} "
         f"(TRL: {trl.get('host_allocator', 'glibc')}){_matmul_note(s)}. "
         "rlstack generates with its own engine and skips the old-log-prob forward on policy; TRL generates with "
-        "transformers' generate()." + _precision_note(s),
+        "transformers' generate()." + _sharing_note(s) + _precision_note(s),
         "",
     ]
+
+
+def _sharing_note(setup: dict) -> str:
+    """rlstack's training pass with the n samples of a prompt sharing its forward (model.prefix_sharing)."""
+    if not setup.get("prefix_sharing"):
+        return ""
+    return (
+        " rlstack trains each prompt's n samples with the prompt run once (model.prefix_sharing: the same "
+        "gradient, rounding aside, on fewer FLOPs); TRL runs the prompt in each sample's row, as rlstack's "
+        "`unshared` row does."
+    )
 
 
 def _matmul_note(setup: dict) -> str:

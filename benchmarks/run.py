@@ -52,11 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--settings",
-        default="no_ref,ref,one_process",
+        default="no_ref,ref,one_process,unshared",
         help="comma list, each run by rlstack and TRL alike: no_ref (no reference model: rlstack "
         "use_kl_loss=false, TRL beta=0), ref (a reference model: use_kl_loss=true, TRL beta = kl_loss_coef), "
         "one_process (no_ref with rlstack as one process using every thread, TRL's layout; TRL's no_ref "
-        "run is its pair), config (the config as it is; the only one for configs TRL cannot run)",
+        "run is its pair), unshared (no_ref with model.prefix_sharing=false: each sample's prompt run in "
+        "its own rows, TRL's FLOPs; TRL's no_ref run is its pair), config (the config as it is; the only one for configs TRL cannot run)",
     )
     p.add_argument(
         "--lora",
@@ -152,6 +153,15 @@ def settings_of(args, cfg) -> dict:
             "reference": a.use_kl_in_reward,
             "nproc": 1,
             "trl_from": "no_ref",  # the same work on TRL's side: its no_ref run (run it here if absent)
+        },
+        "unshared": {
+            "label": "no reference model, every row's prompt in its own forward and backward "
+            "(rlstack model.prefix_sharing=false: TRL's FLOPs; TRL: its no_ref run)",
+            "overrides": ["algorithm.use_kl_loss=false", "model.prefix_sharing=false"],
+            "beta": 0.0,
+            "reference": a.use_kl_in_reward,
+            "prefix_sharing": False,
+            "trl_from": "no_ref",
         },
         "config": {
             "label": "as configured",

@@ -29,8 +29,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
+from megatron_bridge.shared_prefix import shared_prefix_of, suffix_mask
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool) -> Tensor:
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool, mask: Tensor | None = None) -> Tensor:
     """F.scaled_dot_product_attention; bf16 / fp16 on CPU multiplied in fp32 and cast back (autograd
     casts the gradients the same way). torch's CPU flash kernel accumulates in fp32 either way, but its
     bf16 forward + backward is slower than fp32's with the casts (one SmolLM2 row of 141 tokens, 9 query
@@ -39,10 +41,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool
     dtype = q.dtype
     if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         out = F.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), dropout_p=0.0, is_causal=causal, scale=scale, enable_gqa=gqa
+            q.float(), k.float(), v.float(), mask, dropout_p=0.0, is_causal=causal, scale=scale, enable_gqa=gqa
         )
         return out.to(dtype)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.0, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def sdpa_core_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, causal: bool) -> Tensor:
@@ -63,15 +65,25 @@ def sdpa_packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens:
 
     query [t, nq, d], key/value [t, nkv, d] (megatron squeezes the batch dim for "thd"),
     cu_seqlens [rows + 1] row boundaries -> [t, nq * d]. One SDPA call per row: a block-diagonal
-    mask over the whole pack would cost (t / row length) times the work.
+    mask over the whole pack would cost (t / row length) times the work. Rows sharing a prompt
+    (cu_seqlens carries a `SharedPrefix`, megatron_bridge/shared_prefix.py): a suffix segment's
+    queries attend to the prompt's keys and values in the pack and causally to their own.
     """
     q, k, v = (_own_storage(x) for x in (query, key, value))
     bounds = cu_seqlens.tolist()
     assert bounds[0] == 0 and bounds[-1] == q.size(0), f"bug: packed rows {bounds} do not cover the pack's {q.size(0)}"
+    shared = shared_prefix_of(cu_seqlens)
     out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        qi, ki, vi = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [s, n, d] -> [1, n, s, d]
-        o = _sdpa(qi, ki, vi, hi - lo > 1, scale, ki.size(1) != qi.size(1))
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [s, n, d] -> [1, n, s, d]
+        plen = shared.prefix_len[i] if shared is not None else 0
+        if plen:  # keys and values: the prompt's, then the segment's own
+            start = shared.prefix_start[i]
+            ki, vi = (torch.cat([x[start : start + plen], x[lo:hi]]).transpose(0, 1).unsqueeze(0) for x in (k, v))
+            o = _sdpa(qi, ki, vi, False, scale, ki.size(1) != qi.size(1), suffix_mask(plen, hi - lo, q.device))
+        else:
+            ki, vi = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (k, v))
+            o = _sdpa(qi, ki, vi, hi - lo > 1, scale, ki.size(1) != qi.size(1))
         out.append(o[0].transpose(0, 1).reshape(hi - lo, -1))  # [s, nq * d]
     return torch.cat(out, dim=0)
 

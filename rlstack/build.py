@@ -212,6 +212,7 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
         if role is not None:
             role.max_tokens_per_micro_batch = a.max_tokens_per_micro_batch
             role.remove_padding = cfg.model.remove_padding
+            role.share_prefixes(cfg.model.prefix_sharing)
     return actor, ref, critic
 
 

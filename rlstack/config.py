@@ -74,6 +74,11 @@ class ModelConfig:
     # (megatron's THD format, RoPE and attention per row): no forward or backward on padding (verl's
     # use_remove_padding). Applies without pipeline parallelism; equal results (rounding aside).
     remove_padding: bool = True
+    # With remove_padding: the rows of a micro-batch that begin with the same prompt (a GRPO group's
+    # n samples) pack that prompt once; each other row's answer attends to it (rlstack/workers/
+    # packing.py). The same maths (rounding aside) on fewer tokens: forward and backward of the actor,
+    # reference and critic. Under the SDPA core attention (CPU; GPUs without Transformer Engine).
+    prefix_sharing: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the actor; rank 0: full fine-tuning
 
 

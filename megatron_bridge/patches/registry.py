@@ -24,6 +24,7 @@ KINDS = (
     "recompute",  # rlstack's extra selective recompute ("mlp_act") on megatron's MLP
     "warning filter",  # megatron's own warnings that no setting can change
     "checkpoint process",  # a helper process megatron's checkpoint writer starts
+    "shared prefix",  # rows packed with their prompt once (model.prefix_sharing), as RoPE reads them
 )
 
 
@@ -412,6 +413,23 @@ PATCHES: tuple[Patch, ...] = (
                 "FileSystemWriterAsync.prepare_write_data",
                 "self.results_queue = _get_write_results_queue()",
             ),
+        ),
+    ),
+    # ------------------------------------------------------------------ shared prefix (shared_prefix.py)
+    Patch(
+        "shared_prefix_rope",
+        "shared prefix",
+        Applies.NO_TE,  # rows share a prompt only under the SDPA core attention (no Transformer Engine)
+        _lazy("shared_prefix", "patch_shared_prefix_rope"),
+        (f"{MC}models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",),
+        (
+            _site("models.common.embeddings.rope_utils", "apply_rotary_pos_emb", "_apply_rotary_pos_emb_thd("),
+            _site(
+                "models.common.embeddings.rope_utils",
+                "_get_thd_freqs_on_this_cp_rank",
+                "freqs[offset : offset + x.size(0)]",
+            ),
+            _site("transformer.attention", "Attention.forward", "cu_seqlens=cu_seqlens_q"),
         ),
     ),
     # ------------------------------------------------------------------ warning filters (quiet_warnings.py)

@@ -197,6 +197,7 @@ def pack_micro_batches(
     lengths: Optional[torch.Tensor],
     max_tokens: int = 0,
     balance: bool = False,
+    units: Optional[list[tuple[list[int], int]]] = None,
 ) -> MicroBatches:
     """[B, S] tensors -> micro-batches, longest rows first, each cut to its longest row.
 
@@ -212,7 +213,9 @@ def pack_micro_batches(
     without padding: model.remove_padding) deals the rows, longest first, into as many micro-batches
     as `micro_batch_size` rows make, each to the one holding the fewest tokens so far: micro-batches
     of near-equal tokens (rows per micro-batch may differ), so the largest, which sets the
-    activation peak, is as small as it can be.
+    activation peak, is as small as it can be. `units` (with `balance`; rows sharing a prompt,
+    packing.prompt_groups: [(rows, prompt length)]) are dealt whole, each costing its prompt once,
+    its rows longest first.
     """
     first = next(iter(batch.values()))
     size, seq_len = first.shape[:2]
@@ -224,12 +227,14 @@ def pack_micro_batches(
         lengths = lengths.cpu()
         order = torch.sort(lengths, descending=True, stable=True).indices  # [B]
         groups = _token_budget_groups(order, lengths, max_tokens) if max_tokens > 0 else None
+        if groups is None and balance and units is not None:
+            groups = _balanced_units(units, lengths, -(-size // micro_batch_size))
         if groups is None and balance:
             groups = _balanced_groups(order, lengths, -(-size // micro_batch_size))
         if groups is None:
             assert size % micro_batch_size == 0, f"batch {size} is not a multiple of micro batch {micro_batch_size}"
             groups = list(order.split(micro_batch_size))
-        cuts = [max(1, int(lengths[rows[0]])) for rows in groups]
+        cuts = [max(1, int(lengths[rows].max())) for rows in groups]
     batches = [
         {k: v[:, :cut].index_select(0, rows.to(first.device)) for k, v in batch.items()}
         for rows, cut in zip(groups, cuts)
@@ -246,6 +251,22 @@ def _balanced_groups(order: torch.Tensor, lengths: torch.Tensor, count: int) -> 
         g = min(range(count), key=lambda i: (tokens[i], len(groups[i])))
         groups[g].append(r)
         tokens[g] += max(1, int(lengths[r]))
+    return [torch.tensor(g) for g in groups if g]
+
+
+def _balanced_units(units: list, lengths: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """`_balanced_groups` over units of rows that share a prompt: a unit's tokens are its prompt once
+    and each row's suffix; units dealt largest first, whole, its rows longest first."""
+    costs = []
+    for rows, p in units:
+        costs.append(p + sum(max(1, int(lengths[r])) - p for r in rows))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    tokens = [0] * count
+    for u in sorted(range(len(units)), key=lambda u: -costs[u]):  # stable: ties keep the units' order
+        g = min(range(count), key=lambda i: (tokens[i], len(groups[i])))
+        rows = sorted(units[u][0], key=lambda r: -int(lengths[r]))
+        groups[g].extend(rows)
+        tokens[g] += costs[u]
     return [torch.tensor(g) for g in groups if g]
 
 

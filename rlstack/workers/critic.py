@@ -25,7 +25,7 @@ class Critic:
         def loss_fn(mb, output):
             return torch.zeros((), device=output.device), {"values": _values(output)}
 
-        inputs = rollout.tensors("tokens", "position_ids")
+        inputs = rollout.tensors("tokens", "position_ids", "resp_mask")  # resp_mask: where prompts end (prefix_sharing)
         mbs = self.role.micro_batches(inputs, micro_batch_size, rollout.needed_lengths())
         stats = self.role.run(mbs.batches, loss_fn, forward_only=True)
         out = mbs.rows(stats, "values") if self.role.groups.is_last_stage else None

@@ -20,7 +20,7 @@ from megatron_bridge.patches import optimizer_state
 from rlstack import collectives
 from rlstack.workers.batch import MicroBatches, pack_micro_batches
 from rlstack.workers.embedding_grad import EmbeddingGradIntoMainGrad
-from rlstack.workers.packing import SEQ_LENS, PackedRows
+from rlstack.workers.packing import PREFIX_LENS, PREFIX_ROWS, SEQ_LENS, PackedRows, prompt_groups
 
 
 @dataclass
@@ -146,6 +146,9 @@ class MegatronRole:
         self.max_tokens_per_micro_batch = 0  # algorithm.max_tokens_per_micro_batch (0: micro_batch_size rows)
         # model.remove_padding: each micro-batch's rows run packed end to end (rlstack/workers/packing.py)
         self.remove_padding = False
+        # model.prefix_sharing: with remove_padding, rows that share a prompt pack it once (packing.py);
+        # only under the SDPA core attention (megatron_bridge/shared_prefix.py), set by `share_prefixes`
+        self.prefix_sharing = False
         self.optimizer = None
         self.lr_schedule: Optional[LRSchedule] = None  # trained roles: step() once per trainer step
         if optim is None:
@@ -165,6 +168,26 @@ class MegatronRole:
         self._embedding_grad = (
             EmbeddingGradIntoMainGrad(embedding) if embedding is not None and self.optimizer is not None else None
         )
+
+    def share_prefixes(self, on: bool) -> bool:
+        """model.prefix_sharing: on where this role's model attends with the SDPA core attention and
+        the shared-prompt RoPE patch is applied (no Transformer Engine); returns whether it is."""
+        from megatron_bridge import patches
+        from megatron_bridge.sdpa_attention import SDPADotProductAttention
+
+        layers = getattr(getattr(self.module, "decoder", None), "layers", None) or []
+        sdpa = bool(layers) and all(
+            isinstance(getattr(layer.self_attention, "core_attention", None), SDPADotProductAttention)
+            for layer in layers
+        )
+        self.prefix_sharing = bool(
+            on
+            and sdpa
+            and "shared_prefix_rope" in (patches.applied() or ())
+            and not getattr(self.config, "apply_rope_fusion", False)
+            and self.config.context_parallel_size == 1
+        )
+        return self.prefix_sharing
 
     @property
     def module(self):
@@ -198,7 +221,9 @@ class MegatronRole:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if SEQ_LENS in mb:  # padding removed: the rows end to end, the output back in [b, S] rows
-                packed = PackedRows.of(mb[SEQ_LENS], mb["tokens"].shape[1], mb["tokens"].device)
+                packed = PackedRows.of(
+                    mb[SEQ_LENS], mb["tokens"].shape[1], mb["tokens"].device, mb.get(PREFIX_ROWS), mb.get(PREFIX_LENS)
+                )
                 output = model(
                     packed.pack(mb["tokens"]), packed.pack(mb["position_ids"]), None, packed_seq_params=packed.params
                 )
@@ -250,13 +275,28 @@ class MegatronRole:
         # Packed rows come back as [b, S, ...] (PackedRows.unpack): a copy of the output, small for a
         # value head or the fused LM head's hidden states, a second [b, S, V] logits tensor otherwise.
         packed = self.remove_padding and (self.fused_output or self.value_head)
-        mbs = pack_micro_batches(batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch, balance=packed)
+        units = None
+        if packed and self.prefix_sharing and not self.max_tokens_per_micro_batch and "resp_mask" in batch:
+            units = prompt_groups(batch["tokens"], batch["resp_mask"], batch["position_ids"], lengths)
+            units = units if any(p for _, p in units) else None
+        mbs = pack_micro_batches(
+            batch, micro_batch_size, lengths, self.max_tokens_per_micro_batch, balance=packed, units=units
+        )
         if packed:
             start, host_lengths = 0, lengths.cpu()  # [B]
+            unit_of = {r: u for u, (rows, p) in enumerate(units or ()) if p for r in rows}
             for mb in mbs.batches:
-                rows = mb["tokens"].shape[0]
-                mb[SEQ_LENS] = host_lengths[mbs.order[start : start + rows]]  # [b]
-                start += rows
+                rows = mbs.order[start : start + mb["tokens"].shape[0]].tolist()
+                mb[SEQ_LENS] = host_lengths[rows]  # [b]
+                if units is not None:  # shared prompts: a unit's first row here holds its prompt for the others
+                    lead, prefix_rows, prefix_lens = {}, [], []
+                    for i, r in enumerate(rows):
+                        u = unit_of.get(r)
+                        j = lead.setdefault(u, i) if u is not None else i
+                        prefix_rows.append(j if j != i else -1)
+                        prefix_lens.append(units[u][1] if j != i else 0)
+                    mb[PREFIX_ROWS], mb[PREFIX_LENS] = torch.tensor(prefix_rows), torch.tensor(prefix_lens)
+                start += len(rows)
         return mbs
 
     def loss_scale(self, num_micro_batches: int) -> float:

@@ -27,8 +27,8 @@ def _run(hf_dir: str, groups, packed: bool, fused: bool):
     seen = []  # (rows, S, T) of every packed forward
     real_of = packing.PackedRows.of
 
-    def logged(lengths, seq_len, device):
-        p = real_of(lengths, seq_len, device)
+    def logged(lengths, seq_len, device, *shared):
+        p = real_of(lengths, seq_len, device, *shared)
         seen.append((p.rows, seq_len, p.tokens, int(lengths.clamp(min=1).sum())))
         return p
 

@@ -88,6 +88,27 @@ def test_ppo_adds_the_critic():
     assert b["critic_optimizer"] == (196 + 4) * (28 + 2 * 4)  # embedding, layers, norms, value head
 
 
+def test_shared_prompts_count_each_prompt_once_by_hand():
+    from benchmarks.flops import actor_forward_flops
+
+    shared = dataclasses.replace(SHAPE, shared_prompts=True)
+    assert shared.model_tokens == 2 * 3 + 4 * 2 == 14 and SHAPE.model_tokens == SHAPE.train_tokens == 20
+    # unshared: 4 rows x (2 x 144 x 5 + attention over 5: 4 x 15 pairs x 2 heads x 2) + the head at 8 responses
+    assert actor_forward_flops(DIMS, SHAPE) == 4 * (2 * 144 * 5 + 240) + 8 * 2 * 40 == 7360
+    # shared: 14 tokens through the layers; attention: 2 prompts over 3 (6 pairs) and 4 answers' 9 pairs
+    assert actor_forward_flops(DIMS, shared) == 2 * 144 * 14 + 8 * 2 * 40 + 2 * 96 + 4 * 144 == 5440
+    assert step_flops(DIMS, shared)["actor_train"] == 3 * 5440
+    assert phase_flops(DIMS, shared)["prefill"] == phase_flops(DIMS, SHAPE)["prefill"]  # generation unchanged
+    b, plain = step_bytes(DIMS, shared, LAYOUT), step_bytes(DIMS, SHAPE, LAYOUT)
+    w, act = 2 * 184 * 4, 80 * 4
+    assert b["old_logprob"] == 2 * w + 14 * act + 8 * 2 * 40 == 8064 < plain["old_logprob"]
+    assert b["actor_train"] == plain["actor_train"] - 3 * 6 * act
+    assert b["decode"] == plain["decode"]
+    # one sample a prompt: nothing shared
+    single = StepShape(2, 1, 3, 2, shared_prompts=True)
+    assert single.model_tokens == single.train_tokens
+
+
 def test_phase_flops_split_generation_and_sum_to_the_flop_model():
     flops = phase_flops(DIMS, SHAPE)
     # prefill: 2 prompts x (2 x 184 x 3 + attention over 3: 96); decode: 4 x (2 x 184 x 2 + 144)

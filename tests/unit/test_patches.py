@@ -71,6 +71,7 @@ NO_TE = {
     "output_discarding_checkpoint_without_te",
     "torch_adam_step_on_load",
     "inplace_multi_tensor_scale",
+    "shared_prefix_rope",
 }
 CPU_ONLY = {
     "current_device",
