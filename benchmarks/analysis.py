@@ -18,7 +18,7 @@ from benchmarks.flops import (
     actor_flops_per_token,
     actor_forward_flops,
     decode_flops_per_token,
-    flops_per_token,
+    forward_flops,
     step_flops,
 )
 
@@ -145,14 +145,15 @@ def ceiling_figures(results: dict, dims: ModelDims, shape: Optional[StepShape], 
     if not _ok(c) or shape is None:
         return {}
     train_rate, decode_rate = c["train_flops_per_s_total"], c["decode_flops_per_s_total"]
-    seq = shape.seq_len
     decode_ceiling = decode_rate / decode_flops_per_token(dims, shape.prompt_len + shape.response_len / 2)
+    # the critic's forward per token of the step's rows (shared prompts counted once, as the actor's)
+    critic_fwd_per_token = forward_flops(dims, shape, dims.critic_matmul_params) / max(shape.train_tokens, 1.0)
     out = {
         "ceiling/decode_tok_s": decode_ceiling,
         "ceiling/actor_fwd_tok_s": train_rate / actor_flops_per_token(dims, shape),
-        "ceiling/critic_fwd_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params),
+        "ceiling/critic_fwd_tok_s": train_rate / critic_fwd_per_token,
         "ceiling/actor_train_tok_s": train_rate / actor_flops_per_token(dims, shape, train=True),
-        "ceiling/critic_train_tok_s": train_rate / flops_per_token(dims, seq, dims.critic_matmul_params, train=True),
+        "ceiling/critic_train_tok_s": train_rate / (3.0 * critic_fwd_per_token),
     }
     st = results.get("stages", {})
     if _ok(st):

@@ -117,11 +117,13 @@ def bench_forwards(cfg, hf_dir: str, g, tokenizer, prompts: list, rows: list, ar
     # the trainer's reference role (rlstack/build.py): fused output log-probs, packed rows
     role = MegatronRole(hf_dir, g, dtype, fused_output=cfg.model.fused_output_logprobs)
     role.remove_padding = cfg.model.remove_padding
+    role.share_prefixes(cfg.model.prefix_sharing)  # a prompt's samples run it once, as in the trainer
     seconds, _ = timed(lambda role=role: compute_logprobs(role, batch, mbs), g, args.reps, args.warmup)
     out["actor_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del role
     critic = Critic(MegatronRole(cfg.model.critic_path or hf_dir, g, dtype, value_head=True), cfg.algorithm)
     critic.role.remove_padding = cfg.model.remove_padding
+    critic.role.share_prefixes(cfg.model.prefix_sharing)
     seconds, _ = timed(lambda critic=critic: critic.compute_values(batch, mbs), g, args.reps, args.warmup)
     out["critic_fwd"] = {"seconds": seconds, "tok_s": [tokens / s for s in seconds]}
     del critic

@@ -12,7 +12,9 @@ from tests.dist_utils import run_distributed
 from tests.distributed.test_micro_batch_cut import _rollout
 
 
-def _run(hf_dir: str, groups, packed: bool, fused: bool):
+def _run(hf_dir: str, groups, packed: bool, fused: bool, shared: bool = False, make_rollout=_rollout):
+    """log-probs, values, both losses and weights after one SGD step of actor and critic (shared: rows that
+    share a prompt pack it once, model.prefix_sharing; test_prefix_sharing.py), and what was packed."""
     from rlstack.config import AlgorithmConfig
     from rlstack.workers import packing
     from rlstack.workers.actor import Actor, compute_logprobs
@@ -24,6 +26,7 @@ def _run(hf_dir: str, groups, packed: bool, fused: bool):
     critic_role = MegatronRole(hf_dir, groups, torch.float32, value_head=True, optim=sgd)
     for role in (actor_role, critic_role):
         role.remove_padding = packed
+        assert role.share_prefixes(shared) == shared, "rows cannot share prompts under this attention"
     seen = []  # (rows, S, T) of every packed forward
     real_of = packing.PackedRows.of
 
@@ -34,7 +37,7 @@ def _run(hf_dir: str, groups, packed: bool, fused: bool):
 
     packing.PackedRows.of = logged
     try:
-        rollout = _rollout(actor_role.args.vocab_size)
+        rollout = make_rollout(actor_role.args.vocab_size)
         mask = rollout.resp_mask > 0
         logprob = compute_logprobs(actor_role, rollout, 4)[mask]
         values = Critic(critic_role, AlgorithmConfig()).compute_values(rollout, 4)[mask]
@@ -77,9 +80,14 @@ def test_packed_rows_equal_padded(tiny_llama, tiny_qwen2, tp):
                 for rows, seq_len, tokens, needed in packed["seen"]:
                     assert tokens == needed < rows * seq_len  # one [1, T] row: T = the rows' needed lengths
                 assert sum(x[2] for x in packed["seen"][:2]) == sum(max(1, n) for n in packed["needed"])
-                torch.testing.assert_close(packed["logprob"], padded["logprob"], atol=1e-5, rtol=0)
-                torch.testing.assert_close(packed["values"], padded["values"], atol=1e-5, rtol=0)
-                assert abs(packed["loss"] - padded["loss"]) < 1e-5
-                assert abs(packed["critic_loss"] - padded["critic_loss"]) < 1e-5
-                for name in ("actor", "critic"):
-                    torch.testing.assert_close(packed["weights"][name], padded["weights"][name], atol=1e-6, rtol=0)
+                assert_same_results(packed, padded)
+
+
+def assert_same_results(a: dict, b: dict) -> None:
+    """Two `_run`s agree: log-probs and values (1e-5), both losses, weights after the SGD step (1e-6)."""
+    torch.testing.assert_close(a["logprob"], b["logprob"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a["values"], b["values"], atol=1e-5, rtol=0)
+    assert abs(a["loss"] - b["loss"]) < 1e-5
+    assert abs(a["critic_loss"] - b["critic_loss"]) < 1e-5
+    for name in ("actor", "critic"):
+        torch.testing.assert_close(a["weights"][name], b["weights"][name], atol=1e-6, rtol=0)
