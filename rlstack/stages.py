@@ -157,8 +157,14 @@ def _chunks(items: list, n: int, cfg: RolloutConfig) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def shares_prompts(cfg) -> bool:
+    """Whether the update runs a prompt once for its samples (model.prefix_sharing on packed rows;
+    MegatronRole.share_prefixes also needs the SDPA core attention): what a prompt's samples cost."""
+    return bool(cfg.model.prefix_sharing and cfg.model.remove_padding and cfg.parallel.pp == 1)
+
+
 def dp_share(
-    prompts: list, gens: list[Generation], groups: ParallelGroups, balance: bool = False
+    prompts: list, gens: list[Generation], groups: ParallelGroups, balance: bool = False, shared: bool = False
 ) -> tuple[list, list[Generation]]:
     """This data-parallel rank's share of the prompts, and their generations (re-indexed to it).
 
@@ -166,11 +172,15 @@ def dp_share(
     generations hold about the same number of tokens (`balanced_share`): the update's work follows
     tokens, and the ranks wait for the slowest at every gradient all-reduce. Each prompt's samples
     stay together (group advantages), and the ranks' prompt counts are those of the contiguous split.
+    `shared` (`shares_prompts`): a prompt's tokens count once for its samples, as the update runs them.
     """
     if balance and groups.dims.dp > 1:
         tokens = [0] * len(prompts)
+        counted: set[int] = set()
         for g in gens:
-            tokens[g.prompt_index] += len(g.prompt_ids) + len(g.response_ids)
+            once = shared and g.prompt_index in counted
+            tokens[g.prompt_index] += (0 if once else len(g.prompt_ids)) + len(g.response_ids)
+            counted.add(g.prompt_index)
         share = balanced_share(tokens, groups.dp_rank, groups.dims.dp)
     else:
         share = split_for_rank(list(range(len(prompts))), groups.dp_rank, groups.dims.dp)

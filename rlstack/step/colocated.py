@@ -46,7 +46,7 @@ class ColocatedSource:
         gens, gen_tokens = self.generate(global_prompts, step, greedy=False)
         counters = engine_metrics(self.engine)
         global_gens = gens
-        prompts, gens = stages.dp_share(global_prompts, gens, g, cfg.trainer.balance_batch)
+        prompts, gens = stages.dp_share(global_prompts, gens, g, cfg.trainer.balance_batch, stages.shares_prompts(cfg))
         timings["timing/rollout_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

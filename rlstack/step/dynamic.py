@@ -171,7 +171,9 @@ class DynamicSamplingSource:
         t0 = time.perf_counter()
         global_prompts = [inner.train_set[i] for i in inner.sampler.next_global_batch()]
         gens, tokens = inner.generate(global_prompts, step + k * ROUND_SEED_STRIDE, greedy=False)
-        prompts, gens = stages.dp_share(global_prompts, gens, g, self.cfg.trainer.balance_batch)
+        prompts, gens = stages.dp_share(
+            global_prompts, gens, g, self.cfg.trainer.balance_batch, stages.shares_prompts(self.cfg)
+        )
         t1 = time.perf_counter()
         scores = inner.scoring.score(prompts, gens)
         timings = {"timing/rollout_s": t1 - t0, "timing/score_s": time.perf_counter() - t1}
@@ -203,7 +205,9 @@ class DynamicSamplingSource:
             results += grp.results
             penalties += grp.penalties
         # dp_share on the groups' positions: which groups are this rank's (whole, balanced as configured)
-        share, mine = stages.dp_share(list(range(len(chosen))), gens, g, self.cfg.trainer.balance_batch)
+        share, mine = stages.dp_share(
+            list(range(len(chosen))), gens, g, self.cfg.trainer.balance_batch, stages.shares_prompts(self.cfg)
+        )
         in_share = set(share)
         rows = [r for r, x in enumerate(gens) if x.prompt_index in in_share]  # dp_share keeps this order
         penalties = [penalties[r] for r in rows] if shaped else []

@@ -70,7 +70,9 @@ class SplitSource:
         else:
             timings["timing/sync_s"] = time.perf_counter() - t0 - self._waited
             global_prompts = [self.train_set[i] for i in indices]
-            prompts, gens = stages.dp_share(global_prompts, batch.gens, g, cfg.trainer.balance_batch)
+            prompts, gens = stages.dp_share(
+                global_prompts, batch.gens, g, cfg.trainer.balance_batch, stages.shares_prompts(cfg)
+            )
             t0 = time.perf_counter()
             scores = self.scoring.score(prompts, gens)
             rollout = self._build_rollout(prompts, gens, scores.values)

@@ -39,3 +39,14 @@ def test_dp_share_keeps_groups_together_and_reindexes():
             assert prompts[original.prompt_index] == mine[g.prompt_index]
         contiguous, _ = dp_share(prompts, gens, groups)
         assert contiguous == prompts[2 * rank : 2 * rank + 2]
+
+
+def test_shared_prompts_count_once_in_the_balance():
+    # A: a 100-token prompt with two 1-token answers; B and C: 1-token prompts with long answers; D: short
+    prompts = ["A", "B", "C", "D"]
+    spec = {0: (100, (1, 1)), 1: (1, (60, 60)), 2: (1, (50, 50)), 3: (1, (1, 1))}
+    gens = [_gen(p, plen, r) for p, (plen, rs) in spec.items() for r in rs]
+    rank0 = SimpleNamespace(dp_rank=0, dims=SimpleNamespace(dp=2))
+    # per row, A costs 202 tokens and pairs with D; run once, A costs 102: the long answers are split instead
+    assert dp_share(prompts, gens, rank0, balance=True)[0] == ["A", "D"]
+    assert dp_share(prompts, gens, rank0, balance=True, shared=True)[0] == ["B", "D"]
