@@ -213,9 +213,9 @@ def pack_micro_batches(
     without padding: model.remove_padding) deals the rows, longest first, into as many micro-batches
     as `micro_batch_size` rows make, each to the one holding the fewest tokens so far: micro-batches
     of near-equal tokens (rows per micro-batch may differ), so the largest, which sets the
-    activation peak, is as small as it can be. `units` (with `balance`; rows sharing a prompt,
-    packing.prompt_groups: [(rows, prompt length)]) are dealt whole, each costing its prompt once,
-    its rows longest first.
+    activation peak, is as small as it can be. `units` (rows sharing a prompt, packing.prompt_groups:
+    [(rows, prompt length)]) are dealt whole with `balance`, each costing its prompt once, its rows
+    longest first; under `max_tokens` they are taken unit after unit, cut only where the budget ends.
     """
     first = next(iter(batch.values()))
     size, seq_len = first.shape[:2]
@@ -226,7 +226,10 @@ def pack_micro_batches(
     else:
         lengths = lengths.cpu()
         order = torch.sort(lengths, descending=True, stable=True).indices  # [B]
-        groups = _token_budget_groups(order, lengths, max_tokens) if max_tokens > 0 else None
+        if max_tokens > 0:  # rows sharing a prompt stay together where the budget lets them
+            groups = _token_budget_groups(order if units is None else _unit_order(units, lengths), lengths, max_tokens)
+        else:
+            groups = None
         if groups is None and balance and units is not None:
             groups = _balanced_units(units, lengths, -(-size // micro_batch_size))
         if groups is None and balance:
@@ -271,17 +274,26 @@ def _balanced_units(units: list, lengths: torch.Tensor, count: int) -> list[torc
 
 
 def _token_budget_groups(order: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
-    """Rows in `order` (longest first) -> groups of at most `max_tokens` slots (rows x the first row's length)."""
+    """Rows in `order` -> consecutive groups of at most `max_tokens` slots (rows x the group's longest row)."""
     rows = [int(r) for r in order if lengths[r] > 0] or [int(order[0])]
-    groups, current = [], []
+    groups, current, longest = [], [], 0
     for r in rows:
-        longest = max(1, int(lengths[current[0]])) if current else max(1, int(lengths[r]))
-        if current and (len(current) + 1) * longest > max_tokens:
+        n = max(1, int(lengths[r]))
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
             groups.append(torch.tensor(current))
-            current = []
+            current, longest = [], 0
         current.append(r)
+        longest = max(longest, n)
     groups.append(torch.tensor(current))
     return groups
+
+
+def _unit_order(units: list, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows of `units` (rows sharing a prompt) unit after unit, the unit with the longest row first,
+    each unit's rows longest first: a token budget then cuts a unit only where it must."""
+    key = lambda r: -int(lengths[r])  # noqa: E731
+    ranked = sorted(units, key=lambda u: min(key(r) for r in u[0]))  # stable: ties keep the units' order
+    return torch.tensor([r for rows, _ in ranked for r in sorted(rows, key=key)])
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

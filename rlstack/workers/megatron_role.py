@@ -276,7 +276,7 @@ class MegatronRole:
         # value head or the fused LM head's hidden states, a second [b, S, V] logits tensor otherwise.
         packed = self.remove_padding and (self.fused_output or self.value_head)
         units = None
-        if packed and self.prefix_sharing and not self.max_tokens_per_micro_batch and "resp_mask" in batch:
+        if packed and self.prefix_sharing and "resp_mask" in batch:
             units = prompt_groups(batch["tokens"], batch["resp_mask"], batch["position_ids"], lengths)
             units = units if any(p for _, p in units) else None
         mbs = pack_micro_batches(

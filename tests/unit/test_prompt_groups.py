@@ -43,6 +43,22 @@ def test_units_are_dealt_whole_and_balanced_on_the_tokens_they_run():
     assert mbs.order.tolist() == [2, 0, 5, 3, 1, 4]  # each unit longest row first (its prompt's holder)
 
 
+def test_a_token_budget_takes_units_whole_and_cuts_one_only_where_it_ends():
+    spec = [([1, 2, 3, 4], 2), ([5, 6], 1), ([1, 2, 3, 4], 3), ([5, 6], 4), ([7], 5), ([1, 2, 3, 4], 1)]
+    tokens, mask, pos, lengths = _rows(spec, S=10)  # lengths 6, 3, 7, 6, 6, 5
+    units = prompt_groups(tokens, mask, pos, lengths)
+    # 21 slots: the first unit's 3 rows (3 x 7), then rows 3, 4 (2 x 6) and row 1 (3 x 6 = 18)
+    mbs = pack_micro_batches({"tokens": tokens}, 3, lengths, max_tokens=21, units=units)
+    assert [b["tokens"].shape for b in mbs.batches] == [(3, 7), (3, 6)]
+    assert mbs.order.tolist() == [2, 0, 5, 3, 1, 4]
+    # 14 slots: 2 rows of 7; the first unit is cut after its second row, its third row leads the next
+    mbs = pack_micro_batches({"tokens": tokens}, 3, lengths, max_tokens=14, units=units)
+    assert [b["tokens"].shape[0] for b in mbs.batches] == [2, 2, 2]
+    assert mbs.order.tolist() == [2, 0, 5, 3, 1, 4]
+    without = pack_micro_batches({"tokens": tokens}, 3, lengths, max_tokens=14)
+    assert without.order.tolist() == [2, 0, 3, 4, 5, 1]  # longest first: the unit's rows apart
+
+
 def test_packed_layout_by_hand():
     # rows (length): 0 (6), 1 (5) sharing row 0's first 3 tokens, 2 (2) on its own, 3 (4) sharing 3 of row 0
     lengths, S = torch.tensor([6, 5, 2, 4]), 6
