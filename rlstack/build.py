@@ -208,11 +208,20 @@ def build_roles(cfg: ExperimentConfig, groups: ParallelGroups, hf_dir: str):
             ),
             a,
         )
+    shared = []
     for role in (actor.role, ref, critic.role if critic else None):
         if role is not None:
             role.max_tokens_per_micro_batch = a.max_tokens_per_micro_batch
             role.remove_padding = cfg.model.remove_padding
-            role.share_prefixes(cfg.model.prefix_sharing)
+            shared.append(role.share_prefixes(cfg.model.prefix_sharing))
+    if cfg.model.prefix_sharing and cfg.model.remove_padding and cfg.rollout.n > 1 and groups.rank == 0:
+        import logging
+
+        log = logging.getLogger("rlstack")
+        if all(shared):
+            log.info("update: each prompt runs once for its %d samples (model.prefix_sharing)", cfg.rollout.n)
+        else:  # the rows still train, each with its own prompt
+            log.info("model.prefix_sharing: off here (needs the SDPA core attention without Transformer Engine, pp=1)")
     return actor, ref, critic
 
 
