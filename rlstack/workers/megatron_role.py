@@ -170,8 +170,9 @@ class MegatronRole:
         )
 
     def share_prefixes(self, on: bool) -> bool:
-        """model.prefix_sharing: on where this role's model attends with the SDPA core attention and
-        the shared-prompt RoPE patch is applied (no Transformer Engine); returns whether it is."""
+        """model.prefix_sharing: on where this role's model attends with the SDPA core attention, the
+        shared-prompt RoPE patch is applied (no Transformer Engine) and rows run packed (pp=1);
+        returns whether it is."""
         from megatron_bridge import patches
         from megatron_bridge.sdpa_attention import SDPADotProductAttention
 
@@ -186,6 +187,7 @@ class MegatronRole:
             and "shared_prefix_rope" in (patches.applied() or ())
             and not getattr(self.config, "apply_rope_fusion", False)
             and self.config.context_parallel_size == 1
+            and self.groups.dims.pp == 1  # pipeline parallelism runs padded rows (micro_batches)
         )
         return self.prefix_sharing
 

@@ -118,7 +118,8 @@ def test_golden_metrics_reproduced(golden_run):
     Regenerate after an intended change of the maths with
     `RLSTACK_UPDATE_GOLDEN=1 pytest tests/e2e/test_tiny_training.py -k golden`.
     """
-    _, rows = golden_run
+    text, rows = golden_run
+    assert "update: each prompt runs once for its 16 samples (model.prefix_sharing)" in text  # the default
     if os.environ.get("RLSTACK_UPDATE_GOLDEN"):
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
         with open(GOLDEN, "w") as f:
