@@ -29,7 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
-from megatron_bridge.shared_prefix import shared_prefix_of, suffix_mask
+from megatron_bridge.shared_prefix import shared_prefix_of
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool, mask: Tensor | None = None) -> Tensor:
@@ -80,7 +80,7 @@ def sdpa_packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens:
         if plen:  # keys and values: the prompt's, then the segment's own
             start = shared.prefix_start[i]
             ki, vi = (torch.cat([x[start : start + plen], x[lo:hi]]).transpose(0, 1).unsqueeze(0) for x in (k, v))
-            o = _sdpa(qi, ki, vi, False, scale, ki.size(1) != qi.size(1), suffix_mask(plen, hi - lo, q.device))
+            o = _sdpa(qi, ki, vi, False, scale, ki.size(1) != qi.size(1), shared.mask(plen, hi - lo, q.device))
         else:
             ki, vi = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (k, v))
             o = _sdpa(qi, ki, vi, hi - lo > 1, scale, ki.size(1) != qi.size(1))

@@ -17,7 +17,7 @@ Without the attribute both behave as megatron's THD path: each segment a row sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,6 +33,14 @@ class SharedPrefix:
     prefix_start: list[int]
     prefix_len: list[int]
     positions: torch.Tensor  # [T] long
+    _masks: dict = field(default_factory=dict, repr=False)  # (prefix, own, device) -> suffix_mask
+
+    def mask(self, prefix: int, own: int, device) -> torch.Tensor:
+        """`suffix_mask(prefix, own)`, built once per micro-batch for all its layers."""
+        key = (prefix, own, str(device))
+        if key not in self._masks:
+            self._masks[key] = suffix_mask(prefix, own, device)
+        return self._masks[key]
 
 
 def shared_prefix_of(cu_seqlens) -> Optional[SharedPrefix]:
