@@ -41,6 +41,15 @@ def test_units_are_dealt_whole_and_balanced_on_the_tokens_they_run():
     # unit costs: 4 + 2 + 3 + 1 = 10, 2 + 1 + 4 = 7, 6: the largest first, each to the lightest micro-batch
     assert [b["tokens"].shape for b in mbs.batches] == [(3, 7), (3, 6)]
     assert mbs.order.tolist() == [2, 0, 5, 3, 1, 4]  # each unit longest row first (its prompt's holder)
+    # a long prompt with short answers (A) costs its prompt once: dealt by row tokens, A (33) would pair with
+    # D and B (24) with C; by the tokens run, B (23) goes first, A (13) joins C (10), D joins B
+    a, b = list(range(1, 11)), [20]
+    spec = [(a, 1), (b, 11), (a, 1), ([30, 31], 8), (b, 11), (a, 1), ([40], 8)]
+    tokens, mask, pos, lengths = _rows(spec, S=12)
+    units = prompt_groups(tokens, mask, pos, lengths)
+    assert units == [([0, 2, 5], 10), ([1, 4], 1), ([3], 0), ([6], 0)]
+    mbs = pack_micro_batches({"tokens": tokens}, 4, lengths, balance=True, units=units)
+    assert [sorted(rows) for rows in mbs.order.split([3, 4])] == [[1, 4, 6], [0, 2, 3, 5]]
 
 
 def test_a_token_budget_takes_units_whole_and_cuts_one_only_where_it_ends():
