@@ -166,6 +166,10 @@ class RolloutConfig:
     # rollout (decode ~2.6x faster at 16 rows; +1x the linear weights while generating, freed after;
     # metric rollout/packed_weight_bytes). false: F.linear on the weights themselves, nothing extra held.
     pack_weights: bool = True
+    # the kernel those packed fp32 linears run on: auto (rlstack's AVX2 kernel where the CPU's widest vector
+    # unit is AVX2 and a C compiler builds it, ~1.4x oneDNN's decode there; oneDNN elsewhere) | onednn | avx2
+    # (rlstack/rollout/cpu_gemm.py, docs/benchmarks.md "session 24")
+    cpu_matmul: str = "auto"
     # model.lora: how the adapters reach the engine (rlstack/rollout/lora_sync.py, docs/lora.md).
     # adapters: hf applies scale * B (A x) beside its aliased base; vllm loads a PEFT adapter through its
     # LoRA path (enable_lora, a LoRARequest per version). merged: hf keeps W + scale B A for the adapted

@@ -73,6 +73,8 @@ def check_rollout(rollout_cfg: RolloutConfig, engine_ranks: int, split: bool = F
         raise UserError(
             f"rollout.engine=hf runs one full model per rank: set rollout.tp=1 (got {r.tp}) or use rollout.engine=vllm"
         )
+    if getattr(r, "cpu_matmul", "auto") not in ("auto", "onednn", "avx2"):
+        raise UserError(f"rollout.cpu_matmul={r.cpu_matmul!r} is unknown: use auto, onednn or avx2")
     if r.top_k == 0 or r.top_k < -1:  # SamplingParams.validate would stop the first rollout
         raise UserError(f"rollout.top_k={r.top_k}: use -1 (off) or a positive count")
 

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from rlstack.rollout import cpu_gemm
 from rlstack.rollout.interface import Generation, RolloutEngine, SamplingParams, check_row_caps
 from rlstack.rollout.lean_decode import LeanDecoder, sdpa
 from rlstack.rollout.sampling import sample_next
@@ -206,6 +207,10 @@ def _packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # x [..., k] -> [..., n]
 
 
+def _avx2_forward(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    return cpu_gemm.linear(x, packed, bias, n)  # x [..., k] -> [..., n] (rollout.cpu_matmul)
+
+
 def _can_pack(model: torch.nn.Module) -> bool:
     p = next(model.parameters())
     if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -214,7 +219,7 @@ def _can_pack(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[dict]:
+def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, kernel: str = "auto") -> Iterator[dict]:
     """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
 
     A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
@@ -223,10 +228,13 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> 
     any weight sync (so they always match the parameters the sync writes into), and freed at its end:
     +1x the linear weights during rollout only. Values differ from F.linear by rounding (~3e-6
     relative). Yields {module: packed weight} (empty where packing does not apply: GPU, bf16, no oneDNN).
+    On CPUs whose widest vector unit is AVX2, fp32 weights are packed for rlstack's own kernel instead
+    (`kernel`: rollout.cpu_matmul; cpu_gemm.py: 1.3-1.9x oneDNN's speed at decode's 4-16 rows there).
     """
     if not (enabled and _can_pack(model)):
         yield {}
         return
+    avx2 = cpu_gemm.use_kernel(kernel, next(model.parameters()).dtype)
     packed = {}
     try:
         for mod in model.modules():
@@ -236,9 +244,14 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> 
                 # a zero-copy GroupedLinear's [G, R, H] view of megatron's fused QKV: packed as HF's [G*R, H]
                 # (one oneDNN matmul instead of one MKL one per group: SmolLM2 q/k/v at 16 rows 217 -> ~80 us)
                 weight = weight.reshape(-1, weight.shape[-1])
-                packed[mod] = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
                 bias = _flat_bias(mod)
-                mod.forward = _with_lora(mod, functools.partial(_packed_forward, packed=packed[mod], bias=bias))
+                if avx2:
+                    packed[mod] = cpu_gemm.pack(weight)
+                    forward = functools.partial(_avx2_forward, packed=packed[mod], bias=bias, n=weight.shape[0])
+                else:
+                    packed[mod] = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                    forward = functools.partial(_packed_forward, packed=packed[mod], bias=bias)
+                mod.forward = _with_lora(mod, forward)
         yield packed
     finally:
         for mod in packed:
@@ -410,7 +423,8 @@ class HFEngine(RolloutEngine):
         # on SmolLM2, 2 cores: a third of what a 16-row turn's prefill of 17 new tokens a row takes).
         pack = getattr(self.cfg, "pack_weights", True)
         try:
-            with _packed_linears(self.model, max(1, self.cfg.micro_batch_size), pack) as packed:
+            kernel = getattr(self.cfg, "cpu_matmul", "auto")
+            with _packed_linears(self.model, max(1, self.cfg.micro_batch_size), pack, kernel) as packed:
                 self._held_pack = packed
                 yield
         finally:
@@ -449,7 +463,12 @@ class HFEngine(RolloutEngine):
         # continuation replaces it); None where nothing kept matches.
         kept = self._turn_kv.take([p for _, p in rows]) if self._turn_kv is not None else [None] * len(rows)
         packing = (
-            _packed_linears(self.model, min(mbs, len(rows)), getattr(self.cfg, "pack_weights", True))
+            _packed_linears(
+                self.model,
+                min(mbs, len(rows)),
+                getattr(self.cfg, "pack_weights", True),
+                getattr(self.cfg, "cpu_matmul", "auto"),
+            )
             if self._held_pack is None
             else contextlib.nullcontext(self._held_pack)  # inside keep_turn_kv: made once for all turns
         )

@@ -36,27 +36,46 @@ def sample_next(
     logits = logits.float()
     if not params.greedy and params.temperature != 1.0:
         logits = logits / params.temperature  # log-probs of the tempered distribution (the actor's too)
+    unfiltered = not params.greedy and params.top_k == -1 and params.top_p == 1.0
+    if unfiltered:
+        # One softmax is both the distribution to draw from and, at the drawn token, its log-prob: a
+        # log_softmax and an exp less over the vocabulary (~2 ms a decode step at 16 rows x 49k on one core).
+        # log(p) differs from log_softmax by rounding (~1e-7); a token is only drawn where p > 0.
+        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        tokens = _inverse_cdf(probs, generator)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        unfiltered = params.top_k == -1 and params.top_p == 1.0
-        probs = (
-            logprobs.exp()
-            if unfiltered
-            else torch.softmax(filter_logits(logits, 1.0, params.top_k, params.top_p), dim=-1)
-        )
-        tokens = _inverse_cdf(probs, generator)
+        tokens = _inverse_cdf(torch.softmax(filter_logits(logits, 1.0, params.top_k, params.top_p), dim=-1), generator)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+_CDF_BLOCK = 256  # vocabulary entries per block of the two-level running sum
+
+
 def _inverse_cdf(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """probs [B, V] -> one token per row: one uniform draw per row against the running sum.
+    """probs [B, V] (any non-negative weights) -> one token per row: one uniform draw per row against
+    the running sum, u in (0, total], the first token whose running sum reaches u.
 
     torch.multinomial (and an exponential race) draw V random numbers per row: ~10-50x slower on CPU
-    for a 50k vocabulary. A zero-probability token owns an empty interval and is never chosen.
+    for a 50k vocabulary. A zero-probability token owns an empty interval and is never chosen. The
+    running sum is taken in two levels, in float64 (so the sum of 50k terms keeps its tail): block sums
+    (vectorised), their running sum, then the running sum inside the one block u falls in. A full
+    cumsum over [B, V] is a scalar loop on CPU (~3 ms a decode step at 16 rows x 49k); this is ~0.5 ms.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [B, V]; float64 so the sum of 50k terms keeps its tail
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
-    u = (u * cdf[:, -1:]).clamp(min=torch.finfo(torch.float64).tiny)  # (0, total]
-    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    rows, vocab = probs.shape
+    blocks = -(-vocab // _CDF_BLOCK)
+    p = probs.double()
+    if blocks * _CDF_BLOCK != vocab:
+        p = torch.nn.functional.pad(p, (0, blocks * _CDF_BLOCK - vocab))
+    p = p.view(rows, blocks, _CDF_BLOCK)
+    ends = p.sum(dim=-1).cumsum(dim=-1)  # [B, nb]: running sum at each block's end
+    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=probs.device)
+    u = (u * ends[:, -1:]).clamp(min=torch.finfo(torch.float64).tiny)  # (0, total]
+    block = torch.searchsorted(ends, u).clamp(max=blocks - 1)  # [B, 1]
+    before = torch.where(block > 0, ends.gather(-1, (block - 1).clamp(min=0)), torch.zeros_like(u))  # [B, 1]
+    inside = p.gather(1, block.unsqueeze(-1).expand(rows, 1, _CDF_BLOCK)).squeeze(1).cumsum(dim=-1) + before
+    at = torch.searchsorted(inside, u).clamp(max=_CDF_BLOCK - 1)  # [B, 1]
+    return (block * _CDF_BLOCK + at).squeeze(-1).clamp(max=vocab - 1)

@@ -311,3 +311,30 @@ def test_vllm_load_weights_reaches_every_tensor(request, ckpt):
     assert worst(r["after"], r["want"]) <= TOL, worst(r["after"], r["want"])
     first, second, other, again = r["draws"]  # per-call seeding, as the hf engine: resume samples the same
     assert first != second and first != other and again == first
+
+
+def test_two_level_inverse_cdf_draws_as_one_running_sum():
+    """sampling._inverse_cdf sums in blocks; the tokens it draws are the ones a full float64 cumsum picks."""
+    from rlstack.rollout.sampling import _inverse_cdf
+
+    def full_cumsum(probs, gen):
+        cdf = probs.double().cumsum(dim=-1)
+        u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64)
+        u = (u * cdf[:, -1:]).clamp(min=torch.finfo(torch.float64).tiny)
+        return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+    for vocab in (5, 256, 1000, 3 * 256 + 1):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+        probs = torch.softmax(logits, dim=-1)
+        probs[:, ::3] = 0.0  # zero-probability tokens: never drawn
+        for seed in range(40):
+            got = _inverse_cdf(probs, torch.Generator().manual_seed(seed))
+            assert torch.equal(got, full_cumsum(probs, torch.Generator().manual_seed(seed)))
+            assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all())
+
+
+def test_unfiltered_sampling_log_probs_are_log_softmax_at_the_token():
+    logits = torch.randn(5, 700, generator=torch.Generator().manual_seed(4)) * 3
+    tokens, lps = sample_next(logits, SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lps, expected, rtol=0, atol=1e-5)

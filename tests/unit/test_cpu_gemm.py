@@ -1,0 +1,123 @@
+"""rlstack's AVX2 matmul for the hf engine (rlstack/rollout/cpu_gemm.py, rollout.cpu_matmul) against torch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlstack.errors import UserError
+from rlstack.rollout import cpu_gemm, hf_engine
+
+needs_kernel = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or cpu_gemm.library() is None,
+    reason="no AVX2 CPU or no C compiler here: rlstack's AVX2 matmul cannot run",
+)
+
+
+def test_pack_layout_is_16_column_blocks_zero_padded():
+    if cpu_gemm.library() is None:
+        pytest.skip("no C compiler: the kernel library (and its packer) cannot be built")
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)  # N=20: one full block, one of 4 columns
+    p = cpu_gemm.pack(w)
+    assert p.shape == (2, 3, 16)
+    for n in range(20):  # column n of block n // 16 is row n of the weight
+        assert torch.equal(p[n // 16, :, n % 16], w[n])
+    assert torch.count_nonzero(p[1, :, 4:]) == 0  # past N: zeros
+    strided = torch.randn(3, 40)[:, ::2]  # a weight view with row stride 40, column stride 2
+    assert torch.equal(cpu_gemm.pack(strided), cpu_gemm.pack(strided.contiguous()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("n,k", [(16, 8), (50, 33), (192, 576), (7, 1)])
+def test_linear_equals_torch(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    p = cpu_gemm.pack(w)
+    exact = x.double() @ w.double().T  # fp32 sums of k products round at ~k**0.5 ulps of their size
+    tol = dict(rtol=1e-5, atol=2e-6 * k**0.5 * float(exact.abs().max()))
+    torch.testing.assert_close(cpu_gemm.linear(x, p, b, n).double(), exact + b.double(), **tol)
+    torch.testing.assert_close(cpu_gemm.linear(x, p, None, n).double(), exact, **tol)
+
+
+@needs_kernel
+def test_linear_leading_dims_strided_input_and_threads():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 24, generator=gen)
+    p = cpu_gemm.pack(w)
+    x = torch.randn(2, 5, 48, generator=gen)[..., ::2]  # [2, 5, 24], not contiguous
+    expected = torch.nn.functional.linear(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3, 64):  # 100 columns = 7 blocks: split over up to 7 threads
+            torch.set_num_threads(t)
+            got = cpu_gemm.linear(x, p, None, 100)
+            assert got.shape == (2, 5, 100)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_gemm.linear(torch.empty(0, 24), p, None, 100).shape == (0, 100)
+
+
+def test_use_kernel_modes(monkeypatch):
+    assert not cpu_gemm.use_kernel("onednn", torch.float32)
+    assert not cpu_gemm.use_kernel("auto", torch.bfloat16)  # bf16 engines keep oneDNN's bf16 kernels
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not cpu_gemm.use_kernel("auto", torch.float32)  # oneDNN's AVX-512 kernels are kept
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(UserError, match=r"rollout.cpu_matmul=avx2: this CPU has no AVX2"):
+        cpu_gemm.use_kernel("avx2", torch.float32)
+
+
+def test_no_compiler_falls_back_to_onednn_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_gemm, "_lib", None)
+    monkeypatch.setattr(cpu_gemm, "_tried", False)
+    monkeypatch.setattr(cpu_gemm, "_warned", False)
+    monkeypatch.setenv("RLSTACK_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+        assert not cpu_gemm.use_kernel("auto", torch.float32)
+        assert not cpu_gemm.use_kernel("auto", torch.float32)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "rollout.cpu_matmul" in warnings[0].getMessage()
+    with pytest.raises(UserError, match="no C compiler built the kernel"):
+        cpu_gemm.use_kernel("avx2", torch.float32)
+
+
+def test_unknown_mode_is_one_line_naming_the_key():
+    from rlstack.config import RolloutConfig
+    from rlstack.rollout.base import check_rollout
+
+    with pytest.raises(UserError, match=r"rollout.cpu_matmul='fast' is unknown: use auto, onednn or avx2"):
+        check_rollout(RolloutConfig(cpu_matmul="fast"), 1)
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(cfg).eval()
+
+
+@needs_kernel
+def test_packed_linears_on_either_kernel_give_the_model_logits():
+    model = _model()
+    ids = torch.randint(3, 101, (3, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for kernel in ("avx2", "onednn"):
+            with hf_engine._packed_linears(model, rows=3, kernel=kernel) as packed:
+                shapes = {tuple(p.shape) for p in packed.values()}
+                if kernel == "avx2":  # our [blocks, K, 16] layout, not oneDNN's
+                    assert (7, 48, 16) in shapes  # the 101-token LM head: 7 blocks of 16
+                got = model(input_ids=ids).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
