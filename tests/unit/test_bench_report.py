@@ -403,6 +403,8 @@ def test_ceilings_measure_every_shape_of_a_small_model(monkeypatch):
 
 
 def test_decode_ceiling_streams_every_weight_and_keeps_the_fastest_kernel(monkeypatch):
+    import torch
+
     from benchmarks import ceilings
 
     monkeypatch.setattr(ceilings, "MIN_BLOCK_S", 0.001)
@@ -413,6 +415,10 @@ def test_decode_ceiling_streams_every_weight_and_keeps_the_fastest_kernel(monkey
     d = out["decode"]
     assert d["weight_bytes"] == 4 * DIMS.matmul_params  # every layer's own weights, the LM head once
     assert d["flops_per_s"] == max(d["by_kernel"].values()) and "linear" in d["by_kernel"]
+    # rlstack's AVX2 kernel, where it runs, is one of the decode ceiling's kernels (the hf engine decodes on
+    # it) and none of the training ceiling's (no backward)
+    assert ("avx2" in d["by_kernel"]) == ceilings._avx2_applies(torch.float32, torch.device("cpu"))
+    assert "avx2" not in out["train"]["by_kernel"]
     assert out["decode_hot"]["flops_per_s"] > 0 and out["read_bytes_per_s"] > 0
     c = combine([out, out], procs=2, threads=1)
     assert c["decode_weight_bytes"] == d["weight_bytes"] and c["decode_flops_per_s_total"] == 2 * d["flops_per_s"]
