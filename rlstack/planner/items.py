@@ -377,7 +377,9 @@ def _local_engine_items(r, shape, s: Setting, device: str, aliased: bool = False
         items = [Item("rollout", f"{r.engine} engine weights ({dtype} full copy)", _every(weights))]
     if r.engine == "hf" and device == "cpu" and r.pack_weights:  # every layer's linears (+ the LM head)
         linears = m.layer_params(shape, 1) * shape.num_layers + shape.vocab_size * shape.hidden_size
-        items.append(Item("rollout", "oneDNN-packed linear weights (rollout.pack_weights)", {"rollout": linears * e}))
+        items.append(
+            Item("rollout", "packed linear weights, oneDNN or AVX2 (rollout.pack_weights)", {"rollout": linears * e})
+        )
     items.append(Item("rollout", f"KV cache ({s.rollout_seqs} seqs x {s.max_model_len} tokens)", resident))
     if r.engine == "hf":
         prompt = max(1, s.max_model_len - r.max_new_tokens)
