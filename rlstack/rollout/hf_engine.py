@@ -476,7 +476,11 @@ class HFEngine(RolloutEngine):
             nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
             self._counters.packed_bytes = max(self._counters.packed_bytes, nbytes)
             # Decode steps on the packed weights without transformers' per-module overhead (lean_decode.py).
-            lean = LeanDecoder(self.model) if packed and LeanDecoder.supports(self.model) else None
+            # ... and its attention on rlstack's AVX2 kernel where the linears run on that library
+            fast = bool(packed) and cpu_gemm.use_kernel(
+                getattr(self.cfg, "cpu_matmul", "auto"), next(self.model.parameters()).dtype
+            )
+            lean = LeanDecoder(self.model, fast) if packed and LeanDecoder.supports(self.model) else None
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]
                 chunk_caps = [caps[rows[r][0]] for r in chunk]

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rlstack.rollout import cpu_gemm
+
 _MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -87,9 +89,12 @@ class LeanDecoder:
             and not getattr(config, "use_sliding_window", False)
         )
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fast_attention: bool = False):
         """Built inside the hf engine's `_packed_linears` block: each linear's `forward` is then its
-        packed one (a zero-copy `GroupedLinear` keeps its own), called without nn.Module's __call__."""
+        packed one (a zero-copy `GroupedLinear` keeps its own), called without nn.Module's __call__.
+        `fast_attention`: attention over the KV cache on rlstack's AVX2 kernel (cpu_gemm.decode_attention;
+        the engine sets it where its linears run on that library, rollout.cpu_matmul), SDPA otherwise."""
+        self.fast_attention = fast_attention
         inner = model.model
         lin = lambda m: m.forward  # noqa: E731
         self.embed = inner.embed_tokens.weight
@@ -129,6 +134,7 @@ class LeanDecoder:
             .view(b, 1, 1, -1)
         )
         gqa = self.heads != self.kv_heads
+        flat_mask = attend.view(b, -1)  # [b, n]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer.input_norm)
             q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
@@ -137,8 +143,11 @@ class LeanDecoder:
             q = _rotate(q, cos, sin).view(b, self.heads, 1, d)
             k = _rotate(k, cos, sin).view(b, self.kv_heads, 1, d)
             keys, values = cache.layers[i].update(k, layer.v(h).view(b, self.kv_heads, 1, d))  # [b, G, n, d] each
-            out = sdpa(q, keys, values, attend, self.scaling, gqa=gqa)
-            x = x + layer.o(out.reshape(b, self.heads * d))  # out [b, H, 1, d]
+            if self.fast_attention and cpu_gemm.attention_applies(q, keys, values):
+                out = cpu_gemm.decode_attention(q.view(b, self.heads, d), keys, values, flat_mask, self.scaling)
+            else:
+                out = sdpa(q, keys, values, attend, self.scaling, gqa=gqa)  # [b, H, 1, d]
+            x = x + layer.o(out.reshape(b, self.heads * d))
             h = _rms_norm(x, *layer.post_norm)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return self.head(_rms_norm(x, *self.final_norm))  # [b, V]

@@ -50,15 +50,10 @@ def test_linear_leading_dims_strided_input_and_threads():
     p = cpu_gemm.pack(w)
     x = torch.randn(2, 5, 48, generator=gen)[..., ::2]  # [2, 5, 24], not contiguous
     expected = torch.nn.functional.linear(x, w)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2, 3, 64):  # 100 columns = 7 blocks: split over up to 7 threads
-            torch.set_num_threads(t)
-            got = cpu_gemm.linear(x, p, None, 100)
-            assert got.shape == (2, 5, 100)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    finally:
-        torch.set_num_threads(threads)
+    for t in (1, 2, 3, 64):  # 100 columns = 7 blocks: split over up to 7 threads
+        got = cpu_gemm.linear(x, p, None, 100, threads=t)
+        assert got.shape == (2, 5, 100)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert cpu_gemm.linear(torch.empty(0, 24), p, None, 100).shape == (0, 100)
 
 
@@ -67,6 +62,9 @@ def test_use_kernel_modes(monkeypatch):
     assert not cpu_gemm.use_kernel("auto", torch.bfloat16)  # bf16 engines keep oneDNN's bf16 kernels
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert not cpu_gemm.use_kernel("auto", torch.float32)  # oneDNN's AVX-512 kernels are kept
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not cpu_gemm.use_kernel("auto", torch.float32)  # several threads a process: oneDNN's pool
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     with pytest.raises(UserError, match=r"rollout.cpu_matmul=avx2: this CPU has no AVX2"):
         cpu_gemm.use_kernel("avx2", torch.float32)
@@ -121,3 +119,31 @@ def test_packed_linears_on_either_kernel_give_the_model_logits():
                 got = model(input_ids=ids).logits
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "b,heads,groups,n,d", [(3, 6, 2, 13, 32), (2, 4, 4, 8, 64), (1, 9, 3, 130, 64), (2, 2, 1, 5, 128)]
+)
+def test_decode_attention_equals_sdpa(b, heads, groups, n, d):
+    gen = torch.Generator().manual_seed(n * d + heads)
+    cap = n + 7  # the reserved cache: views of the first n of `cap` slots
+    kc, vc = torch.randn(b, groups, cap, d, generator=gen), torch.randn(b, groups, cap, d, generator=gen)
+    keys, values = kc[:, :, :n], vc[:, :, :n]
+    q = torch.randn(b, heads, d, generator=gen) * 2
+    mask = torch.zeros(b, n)
+    mask[0, : n // 2] = float("-inf")  # left padding of a short row
+    assert cpu_gemm.attention_applies(q, keys, values)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, heads, 1, d), keys, values, attn_mask=mask.view(b, 1, 1, n), scale=d**-0.5, enable_gqa=True
+    ).view(b, heads, d)
+    got = cpu_gemm.decode_attention(q, keys, values, mask, d**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_applies_only_to_its_layouts():
+    q, kv = torch.randn(1, 2, 8), torch.randn(1, 1, 4, 8)
+    assert cpu_gemm.attention_applies(q, kv, kv)
+    assert not cpu_gemm.attention_applies(q[..., :6], kv[..., :6], kv[..., :6])  # head size not a multiple of 8
+    assert not cpu_gemm.attention_applies(q.bfloat16(), kv.bfloat16(), kv.bfloat16())
+    assert not cpu_gemm.attention_applies(q, kv, kv.transpose(2, 3).contiguous().transpose(2, 3))  # other strides
