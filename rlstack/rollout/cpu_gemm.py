@@ -204,6 +204,68 @@ void rl_decode_attention(const float *q, const float *k, const float *v, int64_t
     if (s != stack) free(s);
 }
 
+/* The decode step's small passes, one call each instead of 4-8 torch ops (~10 us apiece at decode's rows). */
+
+static inline float sum_squares(const float *x, int64_t n) {
+    __m256 a = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); a = _mm256_fmadd_ps(v, v, a); }
+    float lanes[8], s = 0.0f;
+    _mm256_storeu_ps(lanes, a);
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static inline void scale_by(const float *x, const float *w, float r, int64_t n, float *out) {
+    __m256 rv = _mm256_set1_ps(r);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
+    for (; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), rows of n (transformers' RMSNorm in fp32) */
+void rl_rms_norm(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float inv = 1.0f / sqrtf(sum_squares(x + r * n, n) / (float)n + eps);
+        scale_by(x + r * n, w, inv, n, out + r * n);
+    }
+}
+
+/* x += y (the residual), then out = rms_norm(x) */
+void rl_add_rms_norm(float *x, const float *y, const float *w, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t i = 0; i < rows * n; i++) x[i] += y[i];
+    rl_rms_norm(x, w, rows, n, eps, out);
+}
+
+/* t [B, R, d] in place: t cos + rotate_half(t) sin, cos and sin [B, d] (transformers' apply_rotary_pos_emb) */
+void rl_rope(float *t, int64_t B, int64_t R, int64_t d, const float *cos, const float *sin) {
+    int64_t half = d / 2;
+    float tmp[1024];
+    for (int64_t b = 0; b < B; b++) {
+        const float *c = cos + b * d, *s = sin + b * d;
+        for (int64_t r = 0; r < R; r++) {
+            float *v = t + (b * R + r) * d;
+            for (int64_t i = 0; i < d; i++) tmp[i] = v[i];
+            for (int64_t i = 0; i < half; i++) v[i] = tmp[i] * c[i] + (-tmp[i + half]) * s[i];
+            for (int64_t i = half; i < d; i++) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+        }
+    }
+}
+
+/* g = silu(g) * u = g / (1 + exp(-g)) * u, n values */
+void rl_silu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, x));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* W [N, K] (row stride ldw) -> P [ceil(N/16)][K][16], zeros past N; 64 columns of 16 rows at a time (4 KiB) */
 void rl_pack(const float *W, int64_t N, int64_t K, int64_t ldw, float *P) {
     int64_t blocks = (N + 15) / 16;
@@ -288,6 +350,12 @@ def _build() -> Optional[ctypes.CDLL]:
     lib.rl_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.rl_decode_attention.restype = None
     lib.rl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr]
+    flt = ctypes.c_float
+    lib.rl_rms_norm.restype = lib.rl_add_rms_norm.restype = lib.rl_rope.restype = lib.rl_silu_mul.restype = None
+    lib.rl_rms_norm.argtypes = [ptr, ptr, i64, i64, flt, ptr]
+    lib.rl_add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, flt, ptr]
+    lib.rl_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.rl_silu_mul.argtypes = [ptr, ptr, i64]
     lib.rl_pack.restype = None
     lib.rl_pack.argtypes = [ptr, i64, i64, i64, ptr]
     return lib
@@ -407,3 +475,35 @@ def decode_attention(
         out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+# The decode step's small passes (LeanDecoder with fast_attention): fp32, contiguous tensors.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm over the last dimension (fp32): weight * (x / sqrt(mean(x^2) + eps))."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    library().rl_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr())
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += y in place (the residual stream), then returns rms_norm(x)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    library().rl_add_rms_norm(x.data_ptr(), y.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr())
+    return out
+
+
+def rope_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """t [B, R, d] in place: t cos + rotate_half(t) sin with cos and sin [B, d] (d <= 1024, even)."""
+    b, r, d = t.shape
+    library().rl_rope(t.data_ptr(), b, r, d, cos.data_ptr(), sin.data_ptr())
+    return t
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate = silu(gate) * up in place."""
+    library().rl_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel())
+    return gate

@@ -135,6 +135,8 @@ class LeanDecoder:
         )
         gqa = self.heads != self.kv_heads
         flat_mask = attend.view(b, -1)  # [b, n]
+        if self.fast_attention and x.dtype == torch.float32 and d % 8 == 0 and d <= 1024:
+            return self._fast_step(x, cos, sin, flat_mask, cache)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer.input_norm)
             q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
@@ -151,3 +153,26 @@ class LeanDecoder:
             h = _rms_norm(x, *layer.post_norm)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return self.head(_rms_norm(x, *self.final_norm))  # [b, V]
+
+    def _fast_step(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        """`step` on rlstack's AVX2 library (fp32): the same maths, the norms, RoPE, SiLU x up, the residual
+        adds and the attention each one C call (cpu_gemm), the linears their packed forwards."""
+        b, d = x.shape[0], self.head_dim
+        cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+        h = cpu_gemm.rms_norm(x, *self.layers[0].input_norm)
+        for i, layer in enumerate(self.layers):
+            q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
+            if layer.q_norm is not None:
+                q, k = cpu_gemm.rms_norm(q, *layer.q_norm), cpu_gemm.rms_norm(k, *layer.k_norm)
+            cpu_gemm.rope_(q, cos, sin)
+            cpu_gemm.rope_(k, cos, sin)
+            keys, values = cache.layers[i].update(
+                k.view(b, self.kv_heads, 1, d), layer.v(h).view(b, self.kv_heads, 1, d)
+            )  # [b, G, n, d] each
+            out = cpu_gemm.decode_attention(q, keys, values, mask, self.scaling)  # [b, H, d]
+            h = cpu_gemm.add_rms_norm_(x, layer.o(out.view(b, self.heads * d)), *layer.post_norm)
+            up = layer.up(h)
+            x.add_(layer.down(cpu_gemm.silu_mul_(layer.gate(h), up)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h = cpu_gemm.rms_norm(x, *following)
+        return self.head(h)  # [b, V]
