@@ -482,7 +482,7 @@ def decode_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm over the last dimension (fp32): weight * (x / sqrt(mean(x^2) + eps))."""
-    n = x.shape[-1]
+    n, x = x.shape[-1], x.contiguous()
     out = torch.empty_like(x)
     library().rl_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr())
     return out
@@ -490,7 +490,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += y in place (the residual stream), then returns rms_norm(x)."""
-    n = x.shape[-1]
+    n, y = x.shape[-1], y.contiguous()
+    assert x.is_contiguous(), "add_rms_norm_ adds into x through its pointer"
     out = torch.empty_like(x)
     library().rl_add_rms_norm(x.data_ptr(), y.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr())
     return out
@@ -499,11 +500,13 @@ def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: f
 def rope_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """t [B, R, d] in place: t cos + rotate_half(t) sin with cos and sin [B, d] (d <= 1024, even)."""
     b, r, d = t.shape
+    assert t.is_contiguous() and cos.is_contiguous() and sin.is_contiguous(), "rope_ works through pointers"
     library().rl_rope(t.data_ptr(), b, r, d, cos.data_ptr(), sin.data_ptr())
     return t
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate = silu(gate) * up in place."""
+    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape, "silu_mul_ works through pointers"
     library().rl_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel())
     return gate

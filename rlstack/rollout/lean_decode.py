@@ -134,9 +134,8 @@ class LeanDecoder:
             .view(b, 1, 1, -1)
         )
         gqa = self.heads != self.kv_heads
-        flat_mask = attend.view(b, -1)  # [b, n]
         if self.fast_attention and x.dtype == torch.float32 and d % 8 == 0 and d <= 1024:
-            return self._fast_step(x, cos, sin, flat_mask, cache)
+            return self._fast_step(x, cos, sin, attend, cache)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer.input_norm)
             q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
@@ -145,20 +144,18 @@ class LeanDecoder:
             q = _rotate(q, cos, sin).view(b, self.heads, 1, d)
             k = _rotate(k, cos, sin).view(b, self.kv_heads, 1, d)
             keys, values = cache.layers[i].update(k, layer.v(h).view(b, self.kv_heads, 1, d))  # [b, G, n, d] each
-            if self.fast_attention and cpu_gemm.attention_applies(q, keys, values):
-                out = cpu_gemm.decode_attention(q.view(b, self.heads, d), keys, values, flat_mask, self.scaling)
-            else:
-                out = sdpa(q, keys, values, attend, self.scaling, gqa=gqa)  # [b, H, 1, d]
-            x = x + layer.o(out.reshape(b, self.heads * d))
+            out = sdpa(q, keys, values, attend, self.scaling, gqa=gqa)
+            x = x + layer.o(out.reshape(b, self.heads * d))  # out [b, H, 1, d]
             h = _rms_norm(x, *layer.post_norm)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return self.head(_rms_norm(x, *self.final_norm))  # [b, V]
 
-    def _fast_step(self, x, cos, sin, mask, cache) -> torch.Tensor:
+    def _fast_step(self, x, cos, sin, attend, cache) -> torch.Tensor:
         """`step` on rlstack's AVX2 library (fp32): the same maths, the norms, RoPE, SiLU x up, the residual
         adds and the attention each one C call (cpu_gemm), the linears their packed forwards."""
         b, d = x.shape[0], self.head_dim
         cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+        mask = attend.view(b, -1)  # [b, n]
         h = cpu_gemm.rms_norm(x, *self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             q, k = layer.q(h).view(b, self.heads, d), layer.k(h).view(b, self.kv_heads, d)
@@ -169,7 +166,11 @@ class LeanDecoder:
             keys, values = cache.layers[i].update(
                 k.view(b, self.kv_heads, 1, d), layer.v(h).view(b, self.kv_heads, 1, d)
             )  # [b, G, n, d] each
-            out = cpu_gemm.decode_attention(q, keys, values, mask, self.scaling)  # [b, H, d]
+            if cpu_gemm.attention_applies(q, keys, values):  # the reserved cache's layout (any cache's in practice)
+                out = cpu_gemm.decode_attention(q, keys, values, mask, self.scaling)  # [b, H, d]
+            else:
+                gqa = self.heads != self.kv_heads
+                out = sdpa(q.view(b, self.heads, 1, d), keys, values, attend, self.scaling, gqa=gqa)
             h = cpu_gemm.add_rms_norm_(x, layer.o(out.view(b, self.heads * d)), *layer.post_norm)
             up = layer.up(h)
             x.add_(layer.down(cpu_gemm.silu_mul_(layer.gate(h), up)))
