@@ -323,9 +323,34 @@ def cache_dir() -> str:
     return os.path.join(base, "kernels")
 
 
-def cpu_is_avx2_only() -> bool:
-    """torch's dispatch level is AVX2: the CPU has AVX2 and FMA and no AVX-512 (lscpu: avx2 fma)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+def cpu_vendor_family(path: str = "/proc/cpuinfo") -> tuple[str, int]:
+    """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo; ("", 0) where it cannot be read."""
+    vendor, family = "", 0
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "cpu family" and not family:
+                    family = int(value.strip() or 0)
+                if vendor and family:
+                    break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
+def auto_prefers_kernel() -> bool:
+    """Where `rollout.cpu_matmul=auto` takes this library over oneDNN (measured, docs/rollout.md): AVX2-only
+    CPUs, and AMD Zen 4 (family 25 with AVX-512: its AVX-512 runs on 256-bit units, so oneDNN's AVX-512
+    kernels are no wider; the rollout 4.0-4.6 s here against 5.2-5.5 on oneDNN, 16 rows x 64 tokens).
+    Other AVX-512 CPUs (Intel, Zen 5's full-width units) keep oneDNN: not measured with this kernel."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX2":
+        return True
+    return capability == "AVX512" and cpu_vendor_family() == ("AuthenticAMD", 25)
 
 
 def _build() -> Optional[ctypes.CDLL]:
@@ -377,14 +402,14 @@ def library() -> Optional[ctypes.CDLL]:
 
 def use_kernel(mode: str, dtype: torch.dtype) -> bool:
     """Whether the hf engine's packed linears run here (rollout.cpu_matmul): `avx2` wherever the CPU has
-    AVX2 (an error where it cannot be built), `auto` on AVX2-only CPUs in fp32 in a process of one torch
-    thread (a rank per core, the CPU layout), `onednn` never. The kernel runs on one thread: with more,
+    AVX2 (an error where it cannot be built), `auto` where `auto_prefers_kernel` (AVX2-only CPUs, AMD
+    Zen 4) in fp32 in a process of one torch thread (a rank per core, the CPU layout), `onednn` never. The kernel runs on one thread: with more,
     oneDNN's OpenMP pool is faster (measured: 1 process x 2 threads, its rollout 7.1-7.4 s on oneDNN,
     9.7-12.4 s on this kernel split over threads started per call, next to torch's spinning pool)."""
     global _warned
     if mode == "onednn" or dtype != torch.float32:
         return False
-    if mode == "auto" and (not cpu_is_avx2_only() or torch.get_num_threads() > 1):
+    if mode == "auto" and (not auto_prefers_kernel() or torch.get_num_threads() > 1):
         return False
     if mode == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise UserError(
@@ -401,8 +426,8 @@ def use_kernel(mode: str, dtype: torch.dtype) -> bool:
     if not _warned:
         _warned = True
         log.warning(
-            "rollout: no C compiler (cc) for rlstack's AVX2 matmul: decode runs on oneDNN, ~1.5x slower on this "
-            "AVX2-only CPU (rollout.cpu_matmul, docs/benchmarks.md)"
+            "rollout: no C compiler (cc) for rlstack's AVX2 matmul: decode runs on oneDNN, ~1.3-1.5x slower on this "
+            "CPU (rollout.cpu_matmul, docs/benchmarks.md)"
         )
     return False
 

@@ -61,13 +61,29 @@ def test_use_kernel_modes(monkeypatch):
     assert not cpu_gemm.use_kernel("onednn", torch.float32)
     assert not cpu_gemm.use_kernel("auto", torch.bfloat16)  # bf16 engines keep oneDNN's bf16 kernels
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor_family", lambda: ("GenuineIntel", 6))
     assert not cpu_gemm.use_kernel("auto", torch.float32)  # oneDNN's AVX-512 kernels are kept
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor_family", lambda: ("AuthenticAMD", 26))
+    assert not cpu_gemm.use_kernel("auto", torch.float32)  # Zen 5: full-width AVX-512, not measured
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor_family", lambda: ("AuthenticAMD", 25))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_gemm.use_kernel("auto", torch.float32) == (cpu_gemm.library() is not None)  # Zen 4
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not cpu_gemm.use_kernel("auto", torch.float32)  # several threads a process: oneDNN's pool
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     with pytest.raises(UserError, match=r"rollout.cpu_matmul=avx2: this CPU has no AVX2"):
         cpu_gemm.use_kernel("avx2", torch.float32)
+
+
+def test_cpu_vendor_family_reads_the_first_cpu(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    )
+    assert cpu_gemm.cpu_vendor_family(str(info)) == ("AuthenticAMD", 25)
+    assert cpu_gemm.cpu_vendor_family(str(tmp_path / "missing")) == ("", 0)
 
 
 def test_no_compiler_falls_back_to_onednn_with_one_warning(monkeypatch, tmp_path, caplog):
