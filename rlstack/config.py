@@ -166,10 +166,10 @@ class RolloutConfig:
     # rollout (decode ~2.6x faster at 16 rows; +1x the linear weights while generating, freed after;
     # metric rollout/packed_weight_bytes). false: F.linear on the weights themselves, nothing extra held.
     pack_weights: bool = True
-    # the kernel those packed fp32 linears (and the decode attention) run on: auto (rlstack's AVX2 kernel, one
-    # thread, where the CPU's widest vector unit is AVX2, the rank has one torch thread and a C compiler
-    # builds it: SmolLM2's decode pass 1.3-1.9x oneDNN's there; oneDNN elsewhere) | onednn | avx2
-    # (rlstack/rollout/cpu_gemm.py, docs/rollout.md "AVX2 decode kernel")
+    # the kernel those packed fp32 linears (and the decode attention) run on: auto (rlstack's AVX2 / AVX-512
+    # kernel, one thread, where the CPU is AVX2-only or AMD Zen 4, the rank has one torch thread and a C
+    # compiler builds it: SmolLM2's decode pass 1.1-1.9x oneDNN's there; oneDNN elsewhere) | onednn | avx2
+    # (rlstack/rollout/cpu_gemm.py, docs/rollout.md "AVX2 / AVX-512 decode kernel")
     cpu_matmul: str = "auto"
     # model.lora: how the adapters reach the engine (rlstack/rollout/lora_sync.py, docs/lora.md).
     # adapters: hf applies scale * B (A x) beside its aliased base; vllm loads a PEFT adapter through its

@@ -1,4 +1,4 @@
-"""rlstack's AVX2 matmul for the hf engine's linears on CPUs whose widest vector unit is AVX2 (rollout.cpu_matmul).
+"""rlstack's AVX2 / AVX-512 matmul for the hf engine's linears on CPU (rollout.cpu_matmul).
 
 Why: a decode step multiplies a few rows (SmolLM2's GRPO rollout: ~9 live rows of 16) by every weight,
 streaming all of them from memory. On an AVX2-only CPU (AMD EPYC, lscpu flags avx2 fma; one thread)
@@ -9,8 +9,11 @@ stream, and accumulates up to 6 rows x 16 columns in 12 AVX2 registers (further 
 from L2): 46 ms at 9 rows, 28 ms at 4 (oneDNN 52), 67 ms at 16 (90), and at prefill's hundreds of
 rows ~80 GFLOP/s (oneDNN ~77). docs/benchmarks.md ("session 24") has the table.
 
-On AVX-512 CPUs oneDNN's own kernels are kept (they reach ~140 GFLOP/s at 16 rows there; this
-kernel uses half the vector width). The C source below is compiled once per machine and source
+On CPUs with AVX-512 the same packed blocks run on an AVX-512 body (one register is a block's 16
+columns, up to 16 rows on each weight load, the same sums in the same order): on AMD Zen 4 (AVX-512 on
+256-bit units) the pass takes 21 / 25 / 36 / 54 ms at 1 / 4 / 9 / 16 rows against the AVX2 body's
+23 / 25 / 42 / 62 and oneDNN's 41 / 31 / 43 / 60, so `auto` takes this library there too
+(`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). The C source below is compiled once per machine and source
 version with the system C compiler (`cc -O3 -mavx2 -mfma`, < 1 s) into the rlstack cache
 (`$RLSTACK_CACHE_DIR`, else `$XDG_CACHE_HOME/rlstack` or ~/.cache/rlstack); without a compiler the
 engine stays on oneDNN and says so once. Values differ from oneDNN's by summation order (~1e-6
@@ -85,6 +88,64 @@ static void *run(void *arg) {
                 case 4: group_4(xm, j->K, p, j->K, acc, pf); break;
                 case 5: group_5(xm, j->K, p, j->K, acc, pf); break;
                 default: group_6(xm, j->K, p, j->K, acc, pf); break;
+            }
+            for (int64_t r = 0; r < R; r++) {
+                float *yr = j->y + (m + r) * j->N + n0;
+                for (int64_t c = 0; c < w; c++) yr[c] = acc[r * 16 + c] + (j->bias ? j->bias[n0 + c] : 0.0f);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The same kernel on AVX-512 (CPUs that have it, chosen at run time): 16 columns are one register, so
+   up to 16 rows share each weight load (16 accumulators of 32) and a decode step's rows (<= 16) stream
+   the block once. The per-lane sums run in the same order as the AVX2 kernel's: the same values. */
+#define T512 __attribute__((target("avx512f")))
+#define DEF_GROUP512(R)                                                                            \
+T512 static inline void group512_##R(const float *x, int64_t ldx, const float *p, int64_t K,       \
+                                     float *acc, int prefetch) {                                   \
+    __m512 a[R];                                                                                   \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();               \
+    for (int64_t k = 0; k < K; k++) {                                                              \
+        if (prefetch) _mm_prefetch((const char *)(p + k * 16 + PF), _MM_HINT_T0);                  \
+        __m512 w = _mm512_loadu_ps(p + k * 16);                                                    \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                       \
+            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);                       \
+    }                                                                                              \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 16, a[r]);     \
+}
+DEF_GROUP512(1) DEF_GROUP512(2) DEF_GROUP512(3) DEF_GROUP512(4) DEF_GROUP512(5) DEF_GROUP512(6)
+DEF_GROUP512(7) DEF_GROUP512(8) DEF_GROUP512(9) DEF_GROUP512(10) DEF_GROUP512(11) DEF_GROUP512(12)
+DEF_GROUP512(13) DEF_GROUP512(14) DEF_GROUP512(15) DEF_GROUP512(16)
+
+T512 static void *run512(void *arg) {
+    job_t *j = (job_t *)arg;
+    float acc[16 * 16];
+    for (int64_t b = j->b0; b < j->b1; b++) {
+        const float *p = j->P + b * j->K * 16;
+        int64_t n0 = b * 16, w = j->N - n0 < 16 ? j->N - n0 : 16;
+        for (int64_t m = 0; m < j->M; m += 16) {
+            int64_t R = j->M - m < 16 ? j->M - m : 16;
+            const float *xm = j->x + m * j->K;
+            int pf = m == 0;
+            switch (R) {
+                case 1: group512_1(xm, j->K, p, j->K, acc, pf); break;
+                case 2: group512_2(xm, j->K, p, j->K, acc, pf); break;
+                case 3: group512_3(xm, j->K, p, j->K, acc, pf); break;
+                case 4: group512_4(xm, j->K, p, j->K, acc, pf); break;
+                case 5: group512_5(xm, j->K, p, j->K, acc, pf); break;
+                case 6: group512_6(xm, j->K, p, j->K, acc, pf); break;
+                case 7: group512_7(xm, j->K, p, j->K, acc, pf); break;
+                case 8: group512_8(xm, j->K, p, j->K, acc, pf); break;
+                case 9: group512_9(xm, j->K, p, j->K, acc, pf); break;
+                case 10: group512_10(xm, j->K, p, j->K, acc, pf); break;
+                case 11: group512_11(xm, j->K, p, j->K, acc, pf); break;
+                case 12: group512_12(xm, j->K, p, j->K, acc, pf); break;
+                case 13: group512_13(xm, j->K, p, j->K, acc, pf); break;
+                case 14: group512_14(xm, j->K, p, j->K, acc, pf); break;
+                case 15: group512_15(xm, j->K, p, j->K, acc, pf); break;
+                default: group512_16(xm, j->K, p, j->K, acc, pf); break;
             }
             for (int64_t r = 0; r < R; r++) {
                 float *yr = j->y + (m + r) * j->N + n0;
@@ -286,9 +347,11 @@ void rl_pack(const float *W, int64_t N, int64_t K, int64_t ldw, float *P) {
     }
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias[N]); P: W packed [ceil(N/16)][K][16], zero past N; threads >= 1 */
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]); P: W packed [ceil(N/16)][K][16], zero past N; threads >= 1;
+   avx512: the AVX-512 kernel (the caller checks that the CPU has it) */
 int rl_linear(const float *x, int64_t M, int64_t K, const float *P, const float *bias, int64_t N, float *y,
-              int threads) {
+              int threads, int avx512) {
+    void *(*body)(void *) = avx512 ? run512 : run;
     int64_t blocks = (N + 15) / 16;
     if (threads > blocks) threads = (int)blocks;
     if (threads < 1) threads = 1;
@@ -300,11 +363,11 @@ int rl_linear(const float *x, int64_t M, int64_t K, const float *P, const float 
     }
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], 0, run, &jobs[t]) != 0) break;
+        if (pthread_create(&tid[t], 0, body, &jobs[t]) != 0) break;
         started = t;
     }
-    run(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) run(&jobs[t]); /* any thread that did not start */
+    body(&jobs[0]);
+    for (int t = started + 1; t < threads; t++) body(&jobs[t]); /* any thread that did not start */
     for (int t = 1; t <= started; t++) pthread_join(tid[t], 0);
     return 0;
 }
@@ -372,7 +435,7 @@ def _build() -> Optional[ctypes.CDLL]:
     lib = ctypes.CDLL(path)
     lib.rl_linear.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rl_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.rl_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rl_decode_attention.restype = None
     lib.rl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr]
     flt = ctypes.c_float
@@ -442,11 +505,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def has_avx512() -> bool:
+    """torch's dispatch level is AVX-512 (the CPU has avx512f): `linear` runs its AVX-512 kernel."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, threads: int = 1
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    threads: int = 1,
+    avx512: Optional[bool] = None,
 ) -> torch.Tensor:
     """x [..., K] fp32 -> x W^T + bias [..., N], W given packed (`pack`). `threads` > 1 splits the column
-    blocks over threads started for the call (the engine keeps 1: see `use_kernel`)."""
+    blocks over threads started for the call (the engine keeps 1: see `use_kernel`). `avx512` (default:
+    where the CPU has it) runs the AVX-512 kernel: up to 16 rows on each weight load, the same sums."""
     lib = library()
     k = packed.shape[1]
     rows = x.reshape(-1, k)
@@ -465,6 +539,7 @@ def linear(
             out_features,
             y.data_ptr(),
             threads,
+            int(has_avx512() if avx512 is None else avx512),
         )
     return y.view(*x.shape[:-1], out_features)
 

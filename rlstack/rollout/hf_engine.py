@@ -218,8 +218,18 @@ def _can_pack(model: torch.nn.Module) -> bool:
     return p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+class _Packed(dict):
+    """{module: packed weight} of `_packed_linears`, and which kernel the weights were packed for."""
+
+    def __init__(self, kernel: str = ""):
+        super().__init__()
+        self.kernel = kernel  # "avx2" (cpu_gemm), "onednn", or "" where nothing was packed
+
+
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, kernel: str = "auto") -> Iterator[dict]:
+def _packed_linears(
+    model: torch.nn.Module, rows: int, enabled: bool = True, kernel: str = "auto"
+) -> Iterator[_Packed]:
     """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
 
     A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
@@ -227,15 +237,16 @@ def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, ker
     weights ~140 (31 ms), near the memory bandwidth. The copies are built per generate() call, after
     any weight sync (so they always match the parameters the sync writes into), and freed at its end:
     +1x the linear weights during rollout only. Values differ from F.linear by rounding (~3e-6
-    relative). Yields {module: packed weight} (empty where packing does not apply: GPU, bf16, no oneDNN).
-    On CPUs whose widest vector unit is AVX2, fp32 weights are packed for rlstack's own kernel instead
-    (`kernel`: rollout.cpu_matmul; cpu_gemm.py: 1.3-1.9x oneDNN's speed at decode's 4-16 rows there).
+    relative). Yields {module: packed weight} (empty where packing does not apply: GPU, bf16, no oneDNN),
+    its `kernel` the one packed for: where `cpu_gemm.use_kernel` says so (`kernel`: rollout.cpu_matmul;
+    AVX2-only CPUs and AMD Zen 4), fp32 weights are packed for rlstack's own kernel instead (cpu_gemm.py:
+    1.2-1.9x oneDNN's speed at decode's 4-16 rows there).
     """
     if not (enabled and _can_pack(model)):
-        yield {}
+        yield _Packed()
         return
     avx2 = cpu_gemm.use_kernel(kernel, next(model.parameters()).dtype)
-    packed = {}
+    packed = _Packed("avx2" if avx2 else "onednn")
     try:
         for mod in model.modules():
             merged = mod.__dict__.get("lora_merged")  # rollout.lora_sync=merged: W + scale B A (any linear)
@@ -477,9 +488,7 @@ class HFEngine(RolloutEngine):
             self._counters.packed_bytes = max(self._counters.packed_bytes, nbytes)
             # Decode steps on the packed weights without transformers' per-module overhead (lean_decode.py).
             # ... and its attention on rlstack's AVX2 kernel where the linears run on that library
-            fast = bool(packed) and cpu_gemm.use_kernel(
-                getattr(self.cfg, "cpu_matmul", "auto"), next(self.model.parameters()).dtype
-            )
+            fast = bool(packed) and packed.kernel == "avx2"
             lean = LeanDecoder(self.model, fast) if packed and LeanDecoder.supports(self.model) else None
             for lo in range(0, len(order), mbs):
                 chunk = order[lo : lo + mbs]

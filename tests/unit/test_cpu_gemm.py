@@ -29,18 +29,38 @@ def test_pack_layout_is_16_column_blocks_zero_padded():
     assert torch.equal(cpu_gemm.pack(strided), cpu_gemm.pack(strided.contiguous()))
 
 
+needs_avx512 = pytest.mark.skipif(
+    not cpu_gemm.has_avx512() or cpu_gemm.library() is None, reason="no AVX-512 CPU or no C compiler here"
+)
+
+
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("avx512", [False, pytest.param(True, marks=needs_avx512)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 17, 40])
 @pytest.mark.parametrize("n,k", [(16, 8), (50, 33), (192, 576), (7, 1)])
-def test_linear_equals_torch(rows, n, k):
+def test_linear_equals_torch(rows, n, k, avx512):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen)
     p = cpu_gemm.pack(w)
     exact = x.double() @ w.double().T  # fp32 sums of k products round at ~k**0.5 ulps of their size
     tol = dict(rtol=1e-5, atol=2e-6 * k**0.5 * float(exact.abs().max()))
-    torch.testing.assert_close(cpu_gemm.linear(x, p, b, n).double(), exact + b.double(), **tol)
-    torch.testing.assert_close(cpu_gemm.linear(x, p, None, n).double(), exact, **tol)
+    got = cpu_gemm.linear(x, p, b, n, avx512=avx512).double()
+    torch.testing.assert_close(got, exact + b.double(), **tol)
+    torch.testing.assert_close(cpu_gemm.linear(x, p, None, n, avx512=avx512).double(), exact, **tol)
+
+
+@needs_kernel
+@needs_avx512
+def test_avx512_kernel_sums_as_the_avx2_one():
+    """Each output sums its k products in the same order on both kernels: the same bits, whatever the
+    row group (1-16 rows on a weight load on AVX-512, 1-6 on AVX2)."""
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(3 * 16 + 5, 97, generator=gen), torch.randn(53, generator=gen)
+    p = cpu_gemm.pack(w)
+    for rows in [*range(1, 18), 33, 50]:
+        x = torch.randn(rows, 97, generator=gen)
+        assert torch.equal(cpu_gemm.linear(x, p, b, 53, avx512=True), cpu_gemm.linear(x, p, b, 53, avx512=False))
 
 
 @needs_kernel
@@ -129,6 +149,7 @@ def test_packed_linears_on_either_kernel_give_the_model_logits():
         expected = model(input_ids=ids).logits
         for kernel in ("avx2", "onednn"):
             with hf_engine._packed_linears(model, rows=3, kernel=kernel) as packed:
+                assert packed.kernel == kernel  # what the engine's decode step follows (fast attention)
                 shapes = {tuple(p.shape) for p in packed.values()}
                 if kernel == "avx2":  # our [blocks, K, 16] layout, not oneDNN's
                     assert (7, 48, 16) in shapes  # the 101-token LM head: 7 blocks of 16
