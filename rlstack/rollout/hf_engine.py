@@ -227,9 +227,7 @@ class _Packed(dict):
 
 
 @contextlib.contextmanager
-def _packed_linears(
-    model: torch.nn.Module, rows: int, enabled: bool = True, kernel: str = "auto"
-) -> Iterator[_Packed]:
+def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, kernel: str = "auto") -> Iterator[_Packed]:
     """Every nn.Linear runs on a oneDNN copy of its weight, reordered for `rows` rows, inside the block.
 
     A decode step multiplies ~16 rows by each weight once, streaming all of them from memory; torch's
