@@ -27,6 +27,11 @@ def test_pack_layout_is_16_column_blocks_zero_padded():
     assert torch.count_nonzero(p[1, :, 4:]) == 0  # past N: zeros
     strided = torch.randn(3, 40)[:, ::2]  # a weight view with row stride 40, column stride 2
     assert torch.equal(cpu_gemm.pack(strided), cpu_gemm.pack(strided.contiguous()))
+    # 8 x 8 register transposes over k, a scalar tail (K = 41), rows past N = 37, row stride 50 > K
+    w = torch.randn(37, 50)[:, 3:44]
+    expected = torch.zeros(48, 41)
+    expected[:37] = w
+    assert torch.equal(cpu_gemm.pack(w), expected.view(3, 16, 41).transpose(1, 2))
 
 
 needs_avx512 = pytest.mark.skipif(
