@@ -13,10 +13,10 @@ On CPUs with AVX-512 the same packed blocks run on an AVX-512 body (one register
 columns, up to 16 rows on each weight load, the same sums in the same order): on AMD Zen 4 (AVX-512 on
 256-bit units) the pass takes 21 / 25 / 36 / 54 ms at 1 / 4 / 9 / 16 rows against the AVX2 body's
 23 / 25 / 42 / 62 and oneDNN's 41 / 31 / 43 / 60, so `auto` takes this library there too
-(`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). The C source below is compiled once per machine and source
-version with the system C compiler (`cc -O3 -mavx2 -mfma`, < 1 s) into the rlstack cache
-(`$RLSTACK_CACHE_DIR`, else `$XDG_CACHE_HOME/rlstack` or ~/.cache/rlstack); without a compiler the
-engine stays on oneDNN and says so once. Values differ from oneDNN's by summation order (~1e-6
+(`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). The C source below
+is compiled once per machine and source version with the system C compiler (`cc -O3 -mavx2 -mfma`,
+< 1 s) into the rlstack cache (`$RLSTACK_CACHE_DIR`, else `$XDG_CACHE_HOME/rlstack` or ~/.cache/rlstack);
+without a compiler the engine stays on oneDNN and says so once. Values differ from oneDNN's by summation order (~1e-6
 relative in fp32). tests/unit/test_cpu_gemm.py checks it against torch at odd shapes, with bias,
 threads and padding.
 """
