@@ -24,6 +24,7 @@ threads and padding.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -412,6 +413,7 @@ def cache_dir() -> str:
     return os.path.join(base, "kernels")
 
 
+@functools.cache  # read once a process: every generate() asks (auto_prefers_kernel)
 def cpu_vendor_family(path: str = "/proc/cpuinfo") -> tuple[str, int]:
     """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo; ("", 0) where it cannot be read."""
     vendor, family = "", 0
@@ -531,6 +533,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache  # once a process: `linear` asks at every call
 def has_avx512() -> bool:
     """torch's dispatch level is AVX-512 (the CPU has avx512f): `linear` runs its AVX-512 kernel."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
