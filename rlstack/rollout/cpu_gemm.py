@@ -13,7 +13,8 @@ On CPUs with AVX-512 the same packed blocks run on an AVX-512 body (one register
 columns, up to 16 rows on each weight load, the same sums in the same order): on AMD Zen 4 (AVX-512 on
 256-bit units) the pass takes 21 / 25 / 36 / 54 ms at 1 / 4 / 9 / 16 rows against the AVX2 body's
 23 / 25 / 42 / 62 and oneDNN's 41 / 31 / 43 / 60, so `auto` takes this library there too
-(`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). The C source below
+(`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). At 9-14 rows the
+AVX-512 body reads two blocks a pass (5-14% faster at 9, 10 and 14 rows; docs/rollout.md). The C source below
 is compiled once per machine and source version with the system C compiler (`cc -O3 -mavx2 -mfma`,
 < 1 s) into the rlstack cache (`$RLSTACK_CACHE_DIR`, else `$XDG_CACHE_HOME/rlstack` or ~/.cache/rlstack);
 without a compiler the engine stays on oneDNN and says so once. Values differ from oneDNN's by summation order (~1e-6
@@ -120,14 +121,60 @@ DEF_GROUP512(1) DEF_GROUP512(2) DEF_GROUP512(3) DEF_GROUP512(4) DEF_GROUP512(5) 
 DEF_GROUP512(7) DEF_GROUP512(8) DEF_GROUP512(9) DEF_GROUP512(10) DEF_GROUP512(11) DEF_GROUP512(12)
 DEF_GROUP512(13) DEF_GROUP512(14) DEF_GROUP512(15) DEF_GROUP512(16)
 
+/* Two neighbouring blocks at once, for 9-14 rows: each x broadcast feeds both blocks' FMAs and two weight
+   streams are in flight. At these rows one block's FMAs and its weight stream take about as long as
+   each other on one core (AMD Zen 4: 9 rows x 16 columns of FMAs per 64 bytes of weights, ~26 GB/s
+   at the FMA rate, what one core reads), and the single stream overlapped them poorly (docs/rollout.md
+   "Two blocks a pass"). Each output sums the same products in the same order: the same bits. */
+#define DEF_PAIR512(R)                                                                             \
+T512 static inline void pair512_##R(const float *x, int64_t ldx, const float *p, const float *q,   \
+                                    int64_t K, float *acc) {                                       \
+    __m512 a[R], c[R];                                                                             \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                         \
+        a[r] = _mm512_setzero_ps(); c[r] = _mm512_setzero_ps(); }                                  \
+    for (int64_t k = 0; k < K; k++) {                                                              \
+        _mm_prefetch((const char *)(p + k * 16 + PF), _MM_HINT_T0);                                \
+        _mm_prefetch((const char *)(q + k * 16 + PF), _MM_HINT_T0);                                \
+        __m512 w = _mm512_loadu_ps(p + k * 16), v = _mm512_loadu_ps(q + k * 16);                   \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                     \
+            __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                            \
+            a[r] = _mm512_fmadd_ps(xb, w, a[r]); c[r] = _mm512_fmadd_ps(xb, v, c[r]); }            \
+    }                                                                                              \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                         \
+        _mm512_storeu_ps(acc + r * 32, a[r]); _mm512_storeu_ps(acc + r * 32 + 16, c[r]); }         \
+}
+DEF_PAIR512(9) DEF_PAIR512(10) DEF_PAIR512(11) DEF_PAIR512(12) DEF_PAIR512(13) DEF_PAIR512(14)
+#define PAIR_LO 9
+#define PAIR_HI 14
+
 /* run()'s twin on these bodies: a switch, not a table of function pointers, so that each row group's body
    is inlined into it (a shared driver calling through a table measured 5-17% slower at 1-256 rows) */
 T512 static void *run512(void *arg) {
     job_t *j = (job_t *)arg;
-    float acc[16 * 16];
+    float acc[16 * 32];
     for (int64_t b = j->b0; b < j->b1; b++) {
         const float *p = j->P + b * j->K * 16;
         int64_t n0 = b * 16, w = j->N - n0 < 16 ? j->N - n0 : 16;
+        if (j->M >= PAIR_LO && j->M <= PAIR_HI && b + 1 < j->b1) { /* blocks b and b + 1 in one pass */
+            const float *q = p + j->K * 16;
+            switch (j->M) {
+                case 9: pair512_9(j->x, j->K, p, q, j->K, acc); break;
+                case 10: pair512_10(j->x, j->K, p, q, j->K, acc); break;
+                case 11: pair512_11(j->x, j->K, p, q, j->K, acc); break;
+                case 12: pair512_12(j->x, j->K, p, q, j->K, acc); break;
+                case 13: pair512_13(j->x, j->K, p, q, j->K, acc); break;
+                default: pair512_14(j->x, j->K, p, q, j->K, acc); break;
+            }
+            int64_t w2 = j->N - n0 - 16 < 16 ? j->N - n0 - 16 : 16; /* block b + 1's columns */
+            for (int64_t r = 0; r < j->M; r++) {
+                float *yr = j->y + r * j->N + n0;
+                for (int64_t c = 0; c < 16; c++) yr[c] = acc[r * 32 + c] + (j->bias ? j->bias[n0 + c] : 0.0f);
+                for (int64_t c = 0; c < w2; c++)
+                    yr[16 + c] = acc[r * 32 + 16 + c] + (j->bias ? j->bias[n0 + 16 + c] : 0.0f);
+            }
+            b++;
+            continue;
+        }
         for (int64_t m = 0; m < j->M; m += 16) {
             int64_t R = j->M - m < 16 ? j->M - m : 16;
             const float *xm = j->x + m * j->K;

@@ -59,13 +59,17 @@ def test_linear_equals_torch(rows, n, k, avx512):
 @needs_avx512
 def test_avx512_kernel_sums_as_the_avx2_one():
     """Each output sums its k products in the same order on both kernels: the same bits, whatever the
-    row group (1-16 rows on a weight load on AVX-512, 1-6 on AVX2)."""
+    row group (1-16 rows on a weight load on AVX-512, 1-6 on AVX2) and whether AVX-512 takes two blocks
+    a pass (9-14 rows): 4 blocks (two pairs, the last block partial), 3 (a pair and a single one), and 3
+    split over 2 threads (a pair never spans two threads' blocks)."""
     gen = torch.Generator().manual_seed(7)
-    w, b = torch.randn(3 * 16 + 5, 97, generator=gen), torch.randn(53, generator=gen)
-    p = cpu_gemm.pack(w)
-    for rows in [*range(1, 18), 33, 50]:
-        x = torch.randn(rows, 97, generator=gen)
-        assert torch.equal(cpu_gemm.linear(x, p, b, 53, avx512=True), cpu_gemm.linear(x, p, b, 53, avx512=False))
+    for n, threads in ((3 * 16 + 5, 1), (40, 1), (40, 2)):
+        w, b = torch.randn(n, 97, generator=gen), torch.randn(n, generator=gen)
+        p = cpu_gemm.pack(w)
+        for rows in [*range(1, 18), 33, 50]:
+            x = torch.randn(rows, 97, generator=gen)
+            got = cpu_gemm.linear(x, p, b, n, threads=threads, avx512=True)
+            assert torch.equal(got, cpu_gemm.linear(x, p, b, n, avx512=False)), (n, threads, rows)
 
 
 @needs_kernel
