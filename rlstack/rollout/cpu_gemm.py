@@ -165,12 +165,10 @@ T512 static void *run512(void *arg) {
                 case 13: pair512_13(j->x, j->K, p, q, j->K, acc); break;
                 default: pair512_14(j->x, j->K, p, q, j->K, acc); break;
             }
-            int64_t w2 = j->N - n0 - 16 < 16 ? j->N - n0 - 16 : 16; /* block b + 1's columns */
+            int64_t w2 = j->N - n0 < 32 ? j->N - n0 : 32; /* block b's 16 columns and block b + 1's */
             for (int64_t r = 0; r < j->M; r++) {
                 float *yr = j->y + r * j->N + n0;
-                for (int64_t c = 0; c < 16; c++) yr[c] = acc[r * 32 + c] + (j->bias ? j->bias[n0 + c] : 0.0f);
-                for (int64_t c = 0; c < w2; c++)
-                    yr[16 + c] = acc[r * 32 + 16 + c] + (j->bias ? j->bias[n0 + 16 + c] : 0.0f);
+                for (int64_t c = 0; c < w2; c++) yr[c] = acc[r * 32 + c] + (j->bias ? j->bias[n0 + c] : 0.0f);
             }
             b++;
             continue;
