@@ -14,8 +14,10 @@ columns, up to 16 rows on each weight load, the same sums in the same order): on
 256-bit units) the pass takes 21 / 25 / 36 / 54 ms at 1 / 4 / 9 / 16 rows against the AVX2 body's
 23 / 25 / 42 / 62 and oneDNN's 41 / 31 / 43 / 60, so `auto` takes this library there too
 (`auto_prefers_kernel`); other AVX-512 CPUs keep oneDNN under `auto` (not measured). At 9-14 rows the
-AVX-512 body reads two blocks a pass (5-14% faster at 9, 10 and 14 rows; docs/rollout.md). The C source below
-is compiled once per machine and source version with the system C compiler (`cc -O3 -mavx2 -mfma`,
+AVX-512 body reads two blocks a pass (5-14% faster at 9, 10 and 14 rows; docs/rollout.md). In a process of
+several torch threads each call's column blocks (and the decode attention's rows and heads) are split over an
+OpenMP team drawn from torch's own pool: the library links the OpenMP runtime torch loaded. The C source below
+is compiled once per machine and source version with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`,
 < 1 s) into the rlstack cache (`$RLSTACK_CACHE_DIR`, else `$XDG_CACHE_HOME/rlstack` or ~/.cache/rlstack);
 without a compiler the engine stays on oneDNN and says so once. Values differ from oneDNN's by summation order (~1e-6
 relative in fp32). tests/unit/test_cpu_gemm.py checks it against torch at odd shapes, with bias,
@@ -46,7 +48,7 @@ MODES = ("auto", "onednn", "avx2")
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
-#include <pthread.h>
+#include <omp.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -253,64 +255,73 @@ static inline float dot1(const float *q, const float *k, int64_t D) {
     return _mm_cvtss_f32(s);
 }
 
+/* One (row, head) of a decode step's attention into o [D]; s: scratch of n + 8 floats */
+static void attend_one(const float *qh, const float *kg, const float *vg, int64_t sn, const float *mb, int64_t n,
+                       int64_t D, float scale, float *s, float *o) {
+    __m256 sc = _mm256_set1_ps(scale);
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 x = _mm256_fmadd_ps(dots8(qh, kg + j * sn, sn, D), sc, _mm256_loadu_ps(mb + j));
+        _mm256_storeu_ps(s + j, x);
+        top8 = _mm256_max_ps(top8, x);
+    }
+    float lanes[8], top;
+    _mm256_storeu_ps(lanes, top8);
+    top = lanes[0];
+    for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (; j < n; j++) {
+        s[j] = dot1(qh, kg + j * sn, D) * scale + mb[j];
+        top = s[j] > top ? s[j] : top;
+    }
+    for (j = n; j < ((n + 7) & ~(int64_t)7); j++) s[j] = -INFINITY; /* pad to a vector: exp -> 0 */
+    if (top == -INFINITY) { for (int64_t d = 0; d < D; d++) o[d] = 0.0f; return; }
+    __m256 t = _mm256_set1_ps(top), sum8 = _mm256_setzero_ps();
+    for (j = 0; j < n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    _mm256_storeu_ps(lanes, sum8);
+    float total = 0.0f;
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) { /* 8 accumulators of 8 at a time */
+        int64_t w = D - d0 < 64 ? D - d0 : 64;
+        __m256 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            if (s[j] == 0.0f) continue;
+            __m256 p = _mm256_set1_ps(s[j]);
+            const float *vj = vg + j * sn + d0;
+            for (int c = 0; c < w / 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < w / 8; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+    }
+}
+
 /* One decode step's attention: q [B, H, D] contiguous; k, v [B, G, n, D] at strides (sb, sg, sn, 1);
    mask [B, n] additive (0 or -inf); query head h reads key/value head h / (H / G); D a multiple of 8.
-   -> out [B, H, D]. The softmax subtracts the row's largest score, as SDPA's does. */
+   -> out [B, H, D]. The softmax subtracts the row's largest score, as SDPA's does. threads > 1 share the
+   (row, head) pairs in an OpenMP team (each pair's sums as on one thread: the same values). */
 void rl_decode_attention(const float *q, const float *k, const float *v, int64_t sb, int64_t sg, int64_t sn,
                          const float *mask, int64_t B, int64_t H, int64_t G, int64_t n, int64_t D, float scale,
-                         float *out) {
-    float stack[2048];
-    float *s = n + 8 <= 2048 ? stack : (float *)malloc(sizeof(float) * (n + 8));
-    int64_t rep = H / G;
-    __m256 sc = _mm256_set1_ps(scale);
-    for (int64_t b = 0; b < B; b++) {
-        const float *mb = mask + b * n;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = q + (b * H + h) * D;
-            const float *kg = k + b * sb + (h / rep) * sg, *vg = v + b * sb + (h / rep) * sg;
-            __m256 top8 = _mm256_set1_ps(-INFINITY);
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                __m256 x = _mm256_fmadd_ps(dots8(qh, kg + j * sn, sn, D), sc, _mm256_loadu_ps(mb + j));
-                _mm256_storeu_ps(s + j, x);
-                top8 = _mm256_max_ps(top8, x);
-            }
-            float lanes[8], top;
-            _mm256_storeu_ps(lanes, top8);
-            top = lanes[0];
-            for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
-            for (; j < n; j++) {
-                s[j] = dot1(qh, kg + j * sn, D) * scale + mb[j];
-                top = s[j] > top ? s[j] : top;
-            }
-            for (j = n; j < ((n + 7) & ~(int64_t)7); j++) s[j] = -INFINITY; /* pad to a vector: exp -> 0 */
-            float *o = out + (b * H + h) * D;
-            if (top == -INFINITY) { for (int64_t d = 0; d < D; d++) o[d] = 0.0f; continue; }
-            __m256 t = _mm256_set1_ps(top), sum8 = _mm256_setzero_ps();
-            for (j = 0; j < n; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
-                _mm256_storeu_ps(s + j, e);
-                sum8 = _mm256_add_ps(sum8, e);
-            }
-            _mm256_storeu_ps(lanes, sum8);
-            float total = 0.0f;
-            for (int i = 0; i < 8; i++) total += lanes[i];
-            __m256 inv = _mm256_set1_ps(1.0f / total);
-            for (int64_t d0 = 0; d0 < D; d0 += 64) { /* 8 accumulators of 8 at a time */
-                int64_t w = D - d0 < 64 ? D - d0 : 64;
-                __m256 acc[8];
-                for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-                for (j = 0; j < n; j++) {
-                    if (s[j] == 0.0f) continue;
-                    __m256 p = _mm256_set1_ps(s[j]);
-                    const float *vj = vg + j * sn + d0;
-                    for (int c = 0; c < w / 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
-                }
-                for (int c = 0; c < w / 8; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
-            }
+                         float *out, int threads) {
+    int64_t rep = H / G, pairs = B * H;
+    if (threads > pairs) threads = (int)pairs;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float stack[2048];
+        float *s = n + 8 <= 2048 ? stack : (float *)malloc(sizeof(float) * (n + 8));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; i++) {
+            int64_t b = i / H, h = i % H;
+            attend_one(q + i * D, k + b * sb + (h / rep) * sg, v + b * sb + (h / rep) * sg, sn, mask + b * n, n, D,
+                       scale, s, out + i * D);
         }
+        if (s != stack) free(s);
     }
-    if (s != stack) free(s);
 }
 
 /* The decode step's small passes, one call each instead of 4-8 torch ops (~10 us apiece at decode's rows). */
@@ -419,28 +430,25 @@ void rl_pack(const float *W, int64_t N, int64_t K, int64_t ldw, float *P) {
     }
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias[N]); P: W packed [ceil(N/16)][K][16], zero past N; threads >= 1;
-   avx512: the AVX-512 kernel (the caller checks that the CPU has it) */
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]); P: W packed [ceil(N/16)][K][16], zero past N; threads >= 1 split the
+   column blocks in an OpenMP team (the process's one libgomp: torch's pool, whose threads spin between its own
+   regions, so no thread is started per call); avx512: the AVX-512 kernel (the caller checks the CPU has it) */
 int rl_linear(const float *x, int64_t M, int64_t K, const float *P, const float *bias, int64_t N, float *y,
               int threads, int avx512) {
     void *(*body)(void *) = avx512 ? run512 : run;
     int64_t blocks = (N + 15) / 16;
     if (threads > blocks) threads = (int)blocks;
-    if (threads < 1) threads = 1;
-    if (threads > 64) threads = 64;
-    job_t jobs[64];
-    pthread_t tid[64];
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){x, P, bias, y, M, K, N, blocks * t / threads, blocks * (t + 1) / threads};
+    if (threads <= 1) {
+        job_t one = {x, P, bias, y, M, K, N, 0, blocks};
+        body(&one);
+        return 0;
     }
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], 0, body, &jobs[t]) != 0) break;
-        started = t;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        job_t part = {x, P, bias, y, M, K, N, blocks * t / n, blocks * (t + 1) / n};
+        body(&part);
     }
-    body(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) body(&jobs[t]); /* any thread that did not start */
-    for (int t = 1; t <= started; t++) pthread_join(tid[t], 0);
     return 0;
 }
 """
@@ -489,28 +497,49 @@ def auto_prefers_kernel() -> bool:
     return capability == "AVX512" and cpu_vendor_family() == ("AuthenticAMD", 25)
 
 
+def openmp_runtime(maps: str = "/proc/self/maps") -> str:
+    """The OpenMP runtime torch loaded into this process (its libgomp, or an Intel / LLVM libomp that
+    answers the same GOMP_* calls): the library links against that file, so its threads are torch's pool.
+    "" where none is mapped (the system's libgomp is linked then)."""
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return ""
+    names = ("libgomp", "libiomp5", "libomp")
+    found = sorted(p for p in paths if os.path.basename(p).startswith(names) and ".so" in os.path.basename(p))
+    found = [p for p in found if os.path.isfile(p)]
+    return found[0] if found else ""
+
+
 def _build() -> Optional[ctypes.CDLL]:
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+    runtime = openmp_runtime()
+    digest = hashlib.sha256((_SOURCE + runtime).encode()).hexdigest()[:16]
     folder = cache_dir()
     path = os.path.join(folder, f"rl_linear_avx2_{digest}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:  # ranks build at once: each its own, then rename
-            src, out = os.path.join(tmp, "rl_linear.c"), os.path.join(tmp, "rl_linear.so")
+            src, obj, out = (os.path.join(tmp, "rl_linear" + ext) for ext in (".c", ".o", ".so"))
             with open(src, "w") as f:
                 f.write(_SOURCE)
             cc = os.environ.get("CC", "cc")
-            cmd = [cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread", "-o", out, src, "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")
+            # compiled with OpenMP, linked against the runtime torch loaded (by its path: its soname may
+            # not be the system's), so that one pool of threads serves torch's regions and this library's
+            steps = [[cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-c", "-o", obj, src]]
+            link = [runtime] if runtime else ["-fopenmp"]
+            steps.append([cc, "-shared", "-o", out, obj, *link, "-lm", "-pthread"])
+            for cmd in steps:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if done.returncode != 0:
+                    raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")
             os.replace(out, path)
     lib = ctypes.CDLL(path)
     lib.rl_linear.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rl_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rl_decode_attention.restype = None
-    lib.rl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr]
+    lib.rl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr, ctypes.c_int]
     flt = ctypes.c_float
     lib.rl_rms_norm.restype = lib.rl_add_rms_norm.restype = lib.rl_rope.restype = lib.rl_silu_mul.restype = None
     lib.rl_rms_norm.argtypes = [ptr, ptr, i64, i64, flt, ptr]
@@ -539,13 +568,15 @@ def library() -> Optional[ctypes.CDLL]:
 def use_kernel(mode: str, dtype: torch.dtype) -> bool:
     """Whether the hf engine's packed linears run here (rollout.cpu_matmul): `avx2` wherever the CPU has
     AVX2 (an error where it cannot be built), `auto` where `auto_prefers_kernel` (AVX2-only CPUs, AMD
-    Zen 4) in fp32 in a process of one torch thread (a rank per core, the CPU layout), `onednn` never. The kernel runs on one thread: with more,
-    oneDNN's OpenMP pool is faster (measured: 1 process x 2 threads, its rollout 7.1-7.4 s on oneDNN,
-    9.7-12.4 s on this kernel split over threads started per call, next to torch's spinning pool)."""
+    Zen 4) in fp32, `onednn` never. A process of several torch threads splits each call's column blocks
+    over torch's own OpenMP pool (`linear`; measured on an AVX2-only Zen 3, 1 process x 2 threads: the
+    trainer's rollout 9.8-12.0 s a step on oneDNN, 6.0-8.2 s here, docs/rollout.md). Session 24's split
+    over threads started per call, beside torch's spinning pool, was slower than oneDNN (9.7-12.4 s
+    against 7.1-7.4), so `auto` kept such processes on oneDNN until the team came from torch's pool."""
     global _warned
     if mode == "onednn" or dtype != torch.float32:
         return False
-    if mode == "auto" and (not auto_prefers_kernel() or torch.get_num_threads() > 1):
+    if mode == "auto" and not auto_prefers_kernel():
         return False
     if mode == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise UserError(
@@ -589,13 +620,16 @@ def linear(
     packed: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_features: int,
-    threads: int = 1,
+    threads: Optional[int] = None,
     avx512: Optional[bool] = None,
 ) -> torch.Tensor:
-    """x [..., K] fp32 -> x W^T + bias [..., N], W given packed (`pack`). `threads` > 1 splits the column
-    blocks over threads started for the call (the engine keeps 1: see `use_kernel`). `avx512` (default:
-    where the CPU has it) runs the AVX-512 kernel: up to 16 rows on each weight load, the same sums."""
+    """x [..., K] fp32 -> x W^T + bias [..., N], W given packed (`pack`). `threads` (default: torch's, read
+    at each call: lent host cores change it) > 1 splits the column blocks over an OpenMP team of torch's own
+    pool. `avx512` (default: where the CPU has it) runs the AVX-512 kernel: up to 16 rows on each weight
+    load, the same sums."""
     lib = library()
+    if threads is None:
+        threads = torch.get_num_threads()
     k = packed.shape[1]
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
@@ -646,7 +680,7 @@ def decode_attention(
     sb, sg, sn, _ = keys.stride()
     library().rl_decode_attention(
         q.data_ptr(), keys.data_ptr(), values.data_ptr(), sb, sg, sn, mask.data_ptr(), b, h, g, n, d, scale,
-        out.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -79,10 +79,12 @@ def test_linear_leading_dims_strided_input_and_threads():
     p = cpu_gemm.pack(w)
     x = torch.randn(2, 5, 48, generator=gen)[..., ::2]  # [2, 5, 24], not contiguous
     expected = torch.nn.functional.linear(x, w)
-    for t in (1, 2, 3, 64):  # 100 columns = 7 blocks: split over up to 7 threads
+    one = cpu_gemm.linear(x, p, None, 100, threads=1)
+    for t in (1, 2, 3, 64):  # 100 columns = 7 blocks: split over an OpenMP team of up to 7 threads
         got = cpu_gemm.linear(x, p, None, 100, threads=t)
         assert got.shape == (2, 5, 100)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got, one), t  # each column block summed by one thread: the same bits
     assert cpu_gemm.linear(torch.empty(0, 24), p, None, 100).shape == (0, 100)
 
 
@@ -98,8 +100,8 @@ def test_use_kernel_modes(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_gemm.use_kernel("auto", torch.float32) == (cpu_gemm.library() is not None)  # Zen 4
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert not cpu_gemm.use_kernel("auto", torch.float32)  # several threads a process: oneDNN's pool
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads a process: torch's OpenMP pool
+    assert cpu_gemm.use_kernel("auto", torch.float32) == (cpu_gemm.library() is not None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     with pytest.raises(UserError, match=r"rollout.cpu_matmul=avx2: this CPU has no AVX2"):
         cpu_gemm.use_kernel("avx2", torch.float32)
@@ -185,6 +187,38 @@ def test_decode_attention_equals_sdpa(b, heads, groups, n, d):
     ).view(b, heads, d)
     got = cpu_gemm.decode_attention(q, keys, values, mask, d**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # (row, head) pairs shared by two threads: each pair's sums as on one
+        assert torch.equal(cpu_gemm.decode_attention(q, keys, values, mask, d**-0.5), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_kernel_threads_are_torchs_openmp_pool():
+    """The library's OpenMP team comes from the libgomp torch loaded (one soname, one runtime in the
+    process): a second runtime's threads would spin beside torch's on the same cores."""
+    cpu_gemm.library()
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+def test_openmp_runtime_is_the_one_mapped(tmp_path):
+    lib = tmp_path / "torch.libs" / "libgomp-a34b3233.so.1.0.0"  # a wheel's renamed libgomp
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        f"7f02-7f03 r-xp 00000000 08:01 2 {lib}\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 [heap]\n"
+    )
+    assert cpu_gemm.openmp_runtime(str(maps)) == str(lib)
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert cpu_gemm.openmp_runtime(str(maps)) == ""
+    assert cpu_gemm.openmp_runtime(str(tmp_path / "absent")) == ""
 
 
 def test_decode_attention_applies_only_to_its_layouts():
