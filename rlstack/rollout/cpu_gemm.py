@@ -539,7 +539,9 @@ def _build() -> Optional[ctypes.CDLL]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rl_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rl_decode_attention.restype = None
-    lib.rl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr, ctypes.c_int]
+    lib.rl_decode_attention.argtypes = (
+        [ptr, ptr, ptr, i64, i64, i64, ptr] + [i64] * 5 + [ctypes.c_float, ptr, ctypes.c_int]
+    )
     flt = ctypes.c_float
     lib.rl_rms_norm.restype = lib.rl_add_rms_norm.restype = lib.rl_rope.restype = lib.rl_silu_mul.restype = None
     lib.rl_rms_norm.argtypes = [ptr, ptr, i64, i64, flt, ptr]
