@@ -167,7 +167,7 @@ class RolloutConfig:
     # metric rollout/packed_weight_bytes). false: F.linear on the weights themselves, nothing extra held.
     pack_weights: bool = True
     # the kernel those packed fp32 linears (and the decode attention) run on: auto (rlstack's AVX2 / AVX-512
-    # kernel, one thread, where the CPU is AVX2-only or AMD Zen 4, the rank has one torch thread and a C
+    # kernel, on torch's threads (its OpenMP pool), where the CPU is AVX2-only or AMD Zen 4 and a C
     # compiler builds it: SmolLM2's decode pass 1.1-1.9x oneDNN's there; oneDNN elsewhere) | onednn | avx2
     # (rlstack/rollout/cpu_gemm.py, docs/rollout.md "AVX2 / AVX-512 decode kernel")
     cpu_matmul: str = "auto"
