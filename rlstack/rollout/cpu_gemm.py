@@ -509,6 +509,8 @@ def openmp_runtime(maps: str = "/proc/self/maps") -> str:
     names = ("libgomp", "libiomp5", "libomp")
     found = sorted(p for p in paths if os.path.basename(p).startswith(names) and ".so" in os.path.basename(p))
     found = [p for p in found if os.path.isfile(p)]
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))  # torch's own first: other wheels bring theirs
+    found.sort(key=lambda p: not os.path.realpath(p).startswith(torch_dir))
     return found[0] if found else ""
 
 
